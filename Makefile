@@ -1,0 +1,54 @@
+# straw: developer entry points. `make demo` runs the main job (the benchmark),
+# `make test` runs lint, types and the test suite. Both create .venv on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# The peer implementation (straw-queue, Rust core) lives in its own venv, made once with
+#   python -m venv /work/peer && /work/peer/bin/pip install straw-queue torch==2.13.0 numpy
+PEER_PY ?= /work/peer/bin/python
+# Scenarios of ../shared/bench/bench_api.py to compare (a..g); see ../shared/bench/README.md.
+ONLY ?= --only ab
+
+.PHONY: all test demo lint typecheck fmt slow compare clean
+
+all: test
+
+# Re-install whenever pyproject.toml changes (dependencies, extras, entry points).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test,torch]'
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy src/straw
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/straw bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy src/straw
+
+fmt: $(STAMP)
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+compare: $(STAMP)
+	bash ../shared/bench/compare.sh $(BIN)/python $(PEER_PY) $(ONLY)
+
+# Keeps .venv (reinstalling torch is slow); `rm -rf .venv` for a full reset.
+clean:
+	rm -rf build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

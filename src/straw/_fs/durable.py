@@ -1,0 +1,69 @@
+"""The one way straw makes a whole file visible: write, fsync, rename or link, fsync dir.
+
+docs/DURABILITY.md step D0. A crash at any point leaves either the old state
+or the new complete file, plus at most an invisible temporary file.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Sequence
+
+from . import posix
+
+Sync = Callable[[int], None]
+SyncDir = Callable[[str], None]
+
+
+def _temp_name(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{secrets.token_hex(6)}.tmp")
+
+
+def _write_temp(path: str, chunks: Sequence[posix.Buffer], sync_file: Sync) -> str:
+    temp = _temp_name(path)
+    fd = posix.create_exclusive(temp)
+    try:
+        posix.pwrite_all(fd, chunks, 0)
+        sync_file(fd)
+    except BaseException:
+        posix.close_quietly(fd)
+        posix.unlink_quietly(temp)
+        raise
+    os.close(fd)
+    return temp
+
+
+def replace_file(path: str, chunks: Sequence[posix.Buffer], sync_file: Sync, sync_dir: SyncDir) -> None:
+    """Atomically replace (or create) ``path`` with ``chunks``, durably."""
+    temp = _write_temp(path, chunks, sync_file)
+    try:
+        posix.rename(temp, path)
+    except BaseException:
+        posix.unlink_quietly(temp)
+        raise
+    sync_dir(os.path.dirname(path))
+
+
+def create_file(path: str, chunks: Sequence[posix.Buffer], sync_file: Sync, sync_dir: SyncDir) -> bool:
+    """Durably create ``path`` with ``chunks`` unless it exists; True if this call created it."""
+    temp = _write_temp(path, chunks, sync_file)
+    try:
+        created = posix.link_new(temp, path)
+    finally:
+        posix.unlink_quietly(temp)
+    sync_dir(os.path.dirname(path))
+    return created
+
+
+def make_dirs(path: str, stop: str, sync_dir: SyncDir) -> None:
+    """Create ``path`` and missing parents below ``stop``, syncing each parent that gained an entry."""
+    missing: list[str] = []
+    current = path
+    while current != stop and not os.path.isdir(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    for directory in reversed(missing):
+        if posix.mkdir_new(directory):
+            sync_dir(os.path.dirname(directory))

@@ -1,0 +1,177 @@
+"""Thin POSIX primitives: vectored positional writes, exact reads, syncs, renames.
+
+Nothing here knows about packs or queues. Callers add the fault hook and the
+sync counters (``straw.backend``) and decide ordering (docs/DURABILITY.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from ..errors import QuotaExceeded, StorageUnavailable, invariant
+from ..limits import IOVEC_COUNT_MAX, SYSCALL_BYTES_MAX
+
+Buffer = bytes | bytearray | memoryview
+
+_QUOTA_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def storage_error(error: OSError, what: str) -> StorageUnavailable:
+    """Translate an OS error into straw's tree, keeping the OS text."""
+    cls = QuotaExceeded if error.errno in _QUOTA_ERRNOS else StorageUnavailable
+    hint = "free space or raise the quota, then retry" if cls is QuotaExceeded else "check the mount, then retry"
+    reason = error.strerror or str(error)
+    result = cls(f"{what} failed: [Errno {error.errno}] {reason} ({hint})")
+    result.__cause__ = error
+    return result
+
+
+def open_read(path: str) -> int:
+    return os.open(path, os.O_RDONLY | _O_CLOEXEC)
+
+
+def create_exclusive(path: str) -> int:
+    """Create a new file for writing; fails if it exists."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+
+
+def open_append(path: str) -> int:
+    return os.open(path, os.O_WRONLY | _O_CLOEXEC)
+
+
+def close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+    """Write every buffer at ``offset`` from the caller's memory (no concatenation).
+
+    Groups at most IOVEC_COUNT_MAX buffers and SYSCALL_BYTES_MAX bytes per
+    system call and resumes after short writes. Returns the bytes written.
+    """
+    pending = deque(_flat(b) for b in buffers)
+    position = offset
+    while pending:
+        group: list[memoryview] = []
+        size = 0
+        for view in pending:
+            if len(group) == IOVEC_COUNT_MAX or size + view.nbytes > SYSCALL_BYTES_MAX:
+                if not group:
+                    group.append(view[:SYSCALL_BYTES_MAX])
+                    size = SYSCALL_BYTES_MAX
+                break
+            group.append(view)
+            size += view.nbytes
+        written = os.pwritev(fd, group, position) if size else 0
+        invariant(written > 0 or size == 0, "pwritev made progress")
+        position += written
+        while pending and (written or pending[0].nbytes == 0):
+            head = pending[0]
+            if head.nbytes <= written:
+                written -= head.nbytes
+                pending.popleft()
+            else:
+                pending[0] = head[written:]
+                written = 0
+    return position - offset
+
+
+def _flat(buffer: Buffer) -> memoryview:
+    view = memoryview(buffer)
+    if view.ndim == 1 and view.itemsize == 1 and view.format in ("B", "b", "c"):
+        return view
+    return view.cast("B")
+
+
+def pread_exact(fd: int, size: int, offset: int) -> bytes | bytearray:
+    """Read ``size`` bytes at ``offset``; a shorter result means end of file."""
+    if size <= SYSCALL_BYTES_MAX:
+        data = os.pread(fd, size, offset)
+        if len(data) == size or not data:
+            return data
+        got = len(data)
+        buffer = bytearray(size)
+        buffer[:got] = data
+    else:
+        buffer = bytearray(size)
+        got = 0
+    got += preadinto(fd, memoryview(buffer)[got:], offset + got)
+    return buffer if got == size else buffer[:got]
+
+
+def preadinto(fd: int, target: memoryview, offset: int) -> int:
+    """Fill ``target`` from ``offset``; returns the bytes read (short only at end of file)."""
+    got = 0
+    total = target.nbytes
+    while got < total:
+        step = min(total - got, SYSCALL_BYTES_MAX)
+        n = os.preadv(fd, [target[got : got + step]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def sync_file(fd: int) -> None:
+    """Flush a file's data and the metadata needed to read it back (size)."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:  # pragma: no cover - macOS
+        os.fsync(fd)
+
+
+def sync_dir(path: str) -> None:
+    """Make entries created or renamed in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename(source: str, target: str) -> None:
+    """Atomically move ``source`` over ``target`` (same directory)."""
+    os.rename(source, target)
+
+
+def link_new(source: str, target: str) -> bool:
+    """Atomically give ``source`` a second name ``target``; False if ``target`` exists."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        return False
+    return True
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def mkdir_new(path: str) -> bool:
+    """Create a directory; False if it already exists."""
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        return False
+    return True
+
+
+def retry_open(path: str, delays: Sequence[float], sleep: Callable[[float], None] = time.sleep) -> int:
+    """Open ``path`` for reading, waiting along ``delays`` while it is not yet visible."""
+    for delay in delays:
+        try:
+            return open_read(path)
+        except FileNotFoundError:
+            sleep(delay)
+    return open_read(path)

@@ -1,0 +1,311 @@
+"""Pure encoders and decoders of pack bytes (docs/FORMAT.md). No I/O.
+
+Every decoder accepts arbitrary bytes and raises only ``CorruptData`` or
+``UnsupportedSchema``; a fuzz test holds it to that.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ..errors import CorruptData, UnsupportedSchema, invariant
+from ..limits import CHUNK_BYTES, INDEX_BYTES_MAX, PACK_BYTES_MAX, RECORDS_PER_WRITE_MAX
+from ..protocol import decode, encode
+
+FORMAT_VERSION = 1
+PACK_MAGIC = b"STRWPACK"
+PACK_HEADER = struct.Struct("<8sHHI16s16sQ")  # + xxh3_64 of these 56 bytes
+PACK_HEADER_BYTES = PACK_HEADER.size + 8
+FLAG_STANDALONE = 1
+
+FRAME_MAGIC = b"SFRM"
+FRAME_HEAD = struct.Struct("<4sB3xQ16s")  # + xxh3_64 of these 32 bytes
+FRAME_HEADER_BYTES = FRAME_HEAD.size + 8
+KIND_RECORD = 1
+KIND_INDEX = 2
+KIND_SEAL = 3
+KINDS = (KIND_RECORD, KIND_INDEX, KIND_SEAL)
+
+MANIFEST_CODEC = "straw.manifest.v1"
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+invariant(PACK_HEADER_BYTES == 64, "pack header is 64 bytes")
+invariant(FRAME_HEADER_BYTES == 40, "frame header is 40 bytes")
+
+
+def checksum(data: Any) -> str:
+    """The reference checksum of a frame body: xxh3-128, lowercase hex."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def chunk_checksums(view: memoryview, chunk: int = CHUNK_BYTES) -> str:
+    """Concatenated xxh3-64 hex digests of each ``chunk``-byte slice of ``view``."""
+    digest = xxhash.xxh3_64_hexdigest
+    return "".join(digest(view[start : start + chunk]) for start in range(0, view.nbytes, chunk))
+
+
+def chunk_count(length: int, chunk: int) -> int:
+    return -(-length // chunk)
+
+
+# --------------------------------------------------------------------------- pack header
+
+
+@dataclass(frozen=True)
+class PackHeader:
+    version: int
+    flags: int
+    run_tag: bytes
+    segment_id: str
+    created_ns: int
+
+
+def run_tag(run_id: str) -> bytes:
+    return xxhash.xxh3_128_digest(run_id.encode("utf-8"))
+
+
+def encode_pack_header(run_id: str, segment_id: str, created_ns: int, flags: int = 0) -> bytes:
+    head = PACK_HEADER.pack(
+        PACK_MAGIC, FORMAT_VERSION, flags, PACK_HEADER_BYTES, run_tag(run_id), bytes.fromhex(segment_id), created_ns
+    )
+    return head + xxhash.xxh3_64_digest(head)
+
+
+def decode_pack_header(data: bytes | bytearray | memoryview) -> PackHeader:
+    if len(data) < PACK_HEADER_BYTES:
+        raise CorruptData(f"pack header truncated: {len(data)} of {PACK_HEADER_BYTES} bytes")
+    head = bytes(data[: PACK_HEADER.size])
+    magic, version, flags, length, tag, segment, created = PACK_HEADER.unpack(head)
+    if magic != PACK_MAGIC:
+        raise CorruptData("not a straw pack (bad magic)")
+    if xxhash.xxh3_64_digest(head) != bytes(data[PACK_HEADER.size : PACK_HEADER_BYTES]):
+        raise CorruptData("pack header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise UnsupportedSchema(f"pack format version {version} is not supported (this straw reads {FORMAT_VERSION})")
+    if length != PACK_HEADER_BYTES:
+        raise CorruptData(f"pack header length {length} != {PACK_HEADER_BYTES}")
+    return PackHeader(version, flags, tag, segment.hex(), created)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: int
+    body_bytes: int
+    body_checksum: str
+
+
+def encode_frame_header(kind: int, body_bytes: int, body_checksum_hex: str) -> bytes:
+    head = FRAME_HEAD.pack(FRAME_MAGIC, kind, body_bytes, bytes.fromhex(body_checksum_hex))
+    return head + xxhash.xxh3_64_digest(head)
+
+
+def decode_frame_header(data: bytes | bytearray | memoryview) -> FrameHeader:
+    if len(data) < FRAME_HEADER_BYTES:
+        raise CorruptData(f"frame header truncated: {len(data)} of {FRAME_HEADER_BYTES} bytes")
+    head = bytes(data[: FRAME_HEAD.size])
+    magic, kind, length, body_checksum = FRAME_HEAD.unpack(head)
+    if magic != FRAME_MAGIC:
+        raise CorruptData("bad frame magic")
+    if xxhash.xxh3_64_digest(head) != bytes(data[FRAME_HEAD.size : FRAME_HEADER_BYTES]):
+        raise CorruptData("frame header checksum mismatch")
+    if kind not in KINDS:
+        raise UnsupportedSchema(f"unknown frame kind {kind}")
+    if length > PACK_BYTES_MAX:
+        raise CorruptData(f"frame length {length} exceeds the pack limit")
+    return FrameHeader(kind, length, body_checksum.hex())
+
+
+def encode_json_frame(kind: int, value: Any) -> tuple[bytes, bytes, str]:
+    """Header and body of an index or seal frame, plus the body checksum."""
+    body = encode(value)
+    sum_hex = checksum(body)
+    return encode_frame_header(kind, len(body), sum_hex), body, sum_hex
+
+
+def decode_json_frame(data: bytes | bytearray | memoryview, kind: int, expected_checksum: str | None) -> Any:
+    """Verify and decode a whole index or seal frame (header + body)."""
+    header = decode_frame_header(data)
+    if header.kind != kind:
+        raise CorruptData(f"frame kind {header.kind} where kind {kind} was expected")
+    if header.body_bytes != len(data) - FRAME_HEADER_BYTES:
+        raise CorruptData(f"frame body is {len(data) - FRAME_HEADER_BYTES} bytes, header says {header.body_bytes}")
+    if header.body_bytes > INDEX_BYTES_MAX:
+        raise CorruptData(f"frame body of {header.body_bytes} bytes exceeds INDEX_BYTES_MAX")
+    body = memoryview(data)[FRAME_HEADER_BYTES:]
+    actual = checksum(body)
+    if actual != header.body_checksum:
+        raise CorruptData("frame body checksum mismatch (damaged index)")
+    if expected_checksum is not None and actual != expected_checksum:
+        raise CorruptData("index checksum does not match the reference (wrong or damaged extent)")
+    return decode(body)
+
+
+# --------------------------------------------------------------------------- index
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One record of an index frame: its description and where its verified bytes are."""
+
+    record_id: str
+    codec: str
+    metadata: dict[str, Any]
+    tokens: int
+    offset: int
+    length: int
+    content: str
+    chunks: str
+
+
+@dataclass(frozen=True)
+class Index:
+    """A decoded index frame: every record of one durable write."""
+
+    submission_id: str
+    chunk_bytes: int
+    entries: tuple[IndexEntry, ...]
+
+
+def index_body(submission_id: str, entries: Sequence[IndexEntry], chunk: int = CHUNK_BYTES) -> dict[str, Any]:
+    return {
+        "v": FORMAT_VERSION,
+        "sub": submission_id,
+        "chunk": chunk,
+        "records": [
+            {
+                "id": e.record_id,
+                "codec": e.codec,
+                "meta": e.metadata,
+                "tokens": e.tokens,
+                "off": e.offset,
+                "len": e.length,
+                "hash": e.content,
+                "chunks": e.chunks,
+            }
+            for e in entries
+        ],
+    }
+
+
+def _get(mapping: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+    value = mapping.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptData(f"{what}: field {key!r} missing or of type {type(value).__name__}")
+    return value
+
+
+def _version(body: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise CorruptData(f"{what} is not a JSON object")
+    version = body.get("v")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CorruptData(f"{what} has no version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedSchema(f"{what} version {version} is not supported (this straw reads {FORMAT_VERSION})")
+    return body
+
+
+def parse_index(body: object) -> Index:
+    """Validate the shape of a decoded index body."""
+    body = _version(body, "index")
+    chunk = _get(body, "chunk", int, "index")
+    records = _get(body, "records", list, "index")
+    if chunk <= 0 or chunk % 4096 or len(records) > RECORDS_PER_WRITE_MAX:
+        raise CorruptData("index: chunk size or record count out of range")
+    entries = tuple(_parse_entry(item, chunk) for item in records)
+    return Index(_get(body, "sub", str, "index"), chunk, entries)
+
+
+def _parse_entry(item: object, chunk: int) -> IndexEntry:
+    if not isinstance(item, Mapping):
+        raise CorruptData("index record is not an object")
+    what = "index record"
+    entry = IndexEntry(
+        record_id=_get(item, "id", str, what),
+        codec=_get(item, "codec", str, what),
+        metadata=_get(item, "meta", dict, what),
+        tokens=_get(item, "tokens", int, what),
+        offset=_get(item, "off", int, what),
+        length=_get(item, "len", int, what),
+        content=_get(item, "hash", str, what),
+        chunks=_get(item, "chunks", str, what),
+    )
+    if min(entry.tokens, entry.offset, entry.length) < 0 or entry.offset + entry.length > PACK_BYTES_MAX:
+        raise CorruptData(f"index record {entry.record_id!r}: negative or oversized field")
+    if not _HEX32.fullmatch(entry.content):
+        raise CorruptData(f"index record {entry.record_id!r}: malformed content hash")
+    if len(entry.chunks) != 16 * chunk_count(entry.length, chunk) or (
+        entry.chunks and not all(_HEX16.fullmatch(entry.chunks, i, i + 16) for i in range(0, len(entry.chunks), 16))
+    ):
+        raise CorruptData(f"index record {entry.record_id!r}: chunk checksum table does not match its length")
+    return entry
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded manifest record: logical digest, record locations, dependencies.
+
+    ``records`` holds ``(segment, ordinal)`` where segment ``-1`` means "the
+    extent that holds this manifest" and other values index ``segments``.
+    """
+
+    digest: str
+    records: tuple[tuple[int, int], ...]
+    segments: tuple[dict[str, Any], ...]
+    dependencies: tuple[dict[str, Any], ...]
+
+
+def manifest_body(manifest: Manifest) -> dict[str, Any]:
+    return {
+        "v": FORMAT_VERSION,
+        "digest": manifest.digest,
+        "records": [list(pair) for pair in manifest.records],
+        "segments": list(manifest.segments),
+        "deps": list(manifest.dependencies),
+    }
+
+
+def parse_manifest(body: object) -> Manifest:
+    body = _version(body, "manifest")
+    what = "manifest"
+    segments = _get(body, "segments", list, what)
+    pairs = []
+    for pair in _get(body, "records", list, what):
+        if (
+            not isinstance(pair, list)
+            or len(pair) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+            or not -1 <= pair[0] < len(segments)
+            or pair[1] < 0
+        ):
+            raise CorruptData("manifest: malformed record location")
+        pairs.append((pair[0], pair[1]))
+    deps = _get(body, "deps", list, what)
+    if not all(isinstance(s, dict) for s in segments) or not all(isinstance(d, dict) for d in deps):
+        raise CorruptData("manifest: segments and dependencies must be objects")
+    return Manifest(_get(body, "digest", str, what), tuple(pairs), tuple(segments), tuple(deps))
+
+
+# --------------------------------------------------------------------------- seal
+
+
+def seal_body(extents: int, end: int) -> dict[str, Any]:
+    return {"v": FORMAT_VERSION, "extents": extents, "end": end}
+
+
+def parse_seal(body: object) -> tuple[int, int]:
+    body = _version(body, "seal")
+    return _get(body, "extents", int, "seal"), _get(body, "end", int, "seal")

@@ -1,0 +1,211 @@
+"""Verified reads of packs: every byte returned has matched its checksum.
+
+A reader caches open file descriptors and parsed index frames (both bounded).
+On a shared mount a cached descriptor can show a stale size or stale pages
+after another client appended, so a short or mismatching read is retried once
+on a freshly opened descriptor before it is reported (docs/DURABILITY.md A6).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import xxhash
+
+from .._fs import posix
+from ..backend import FilesystemBackend
+from ..errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
+from ..limits import INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MAX
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
+from . import frame
+
+_PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
+INDEX_CACHE_MAX = 4096
+
+
+@dataclass
+class _File:
+    fd: int
+    header: frame.PackHeader
+
+
+Data = bytes | bytearray
+T = TypeVar("T")
+
+
+def _checked(data: Data, size: int, offset: int, relative: str, check: Callable[[Data], T]) -> T:
+    if len(data) != size:
+        raise CorruptData(f"truncated: {relative} ends before byte {offset + size} (read {len(data)} of {size})")
+    return check(data)
+
+
+class PackReader:
+    """Reads index frames and payloads of one run's packs, verifying checksums."""
+
+    def __init__(self, backend: FilesystemBackend, run_id: str, max_open: int = OPEN_PACKS_MAX) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        self.run_tag = frame.run_tag(run_id)
+        self.max_open = max_open
+        self._files: OrderedDict[str, _File] = OrderedDict()
+        self._indexes: OrderedDict[tuple[str, int, str], frame.Index] = OrderedDict()
+
+    def close(self) -> None:
+        while self._files:
+            _, handle = self._files.popitem()
+            posix.close_quietly(handle.fd)
+        self._indexes.clear()
+
+    # -- reference checks ----------------------------------------------------------
+
+    def check_segment(self, segment: SegmentRef) -> None:
+        """Reject a reference that is malformed, foreign or unsafe before any I/O."""
+        if not isinstance(segment, SegmentRef):
+            raise InvalidReference(f"expected a SegmentRef, got {type(segment).__name__}")
+        if segment.run_id != self.run_id:
+            raise InvalidReference(
+                f"reference belongs to run {segment.run_id!r}, this store reads run {self.run_id!r}"
+            )
+        if segment.version != frame.FORMAT_VERSION:
+            raise UnsupportedSchema(f"reference format version {segment.version} is not supported")
+        if segment.checksum_algorithm != CHECKSUM_ALGORITHM:
+            raise UnsupportedSchema(f"checksum algorithm {segment.checksum_algorithm!r} is not supported")
+        match = _PATH.fullmatch(segment.path) if isinstance(segment.path, str) else None
+        if match is None:
+            self.backend.resolve(segment.path)  # names the unsafe part when there is one
+            raise InvalidReference(f"path {segment.path!r} is not a straw pack path (raw/<writer>/<segment>.pack)")
+        if match.group(2) != segment.segment_id:
+            raise InvalidReference(f"segment id {segment.segment_id!r} does not match path {segment.path!r}")
+        for name in ("offset", "size"):
+            value = getattr(segment, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PACK_BYTES_MAX:
+                raise InvalidReference(f"segment {name} {value!r} is out of range")
+        if not frame.FRAME_HEADER_BYTES < segment.size <= frame.FRAME_HEADER_BYTES + INDEX_BYTES_MAX:
+            raise InvalidReference(f"segment size {segment.size} cannot hold an index frame")
+        if segment.offset < frame.PACK_HEADER_BYTES:
+            raise InvalidReference(f"segment offset {segment.offset} lies inside the pack header")
+
+    # -- files -------------------------------------------------------------------------
+
+    def _open(self, relative: str, segment_id: str) -> _File:
+        handle = self._files.get(relative)
+        if handle is not None:
+            self._files.move_to_end(relative)
+            return handle
+        path = self.backend.resolve(relative)
+        try:
+            fd = self.backend.open_visible(path)
+        except FileNotFoundError:
+            raise StorageUnavailable(
+                f"{relative} is not visible after {sum(self.backend.visibility_delays):.1f}s "
+                "(not yet published on this client, or collected); retry later"
+            ) from None
+        except OSError as error:
+            raise posix.storage_error(error, f"opening {relative}") from error
+        try:
+            header = frame.decode_pack_header(self._pread(fd, frame.PACK_HEADER_BYTES, 0, relative))
+            if header.run_tag != self.run_tag:
+                raise InvalidReference(f"{relative} belongs to another run than {self.run_id!r}")
+            if header.segment_id != segment_id:
+                raise InvalidReference(f"{relative} holds segment {header.segment_id}, not {segment_id}")
+        except BaseException:
+            posix.close_quietly(fd)
+            raise
+        handle = _File(fd, header)
+        self._files[relative] = handle
+        while len(self._files) > self.max_open:
+            _, old = self._files.popitem(last=False)
+            posix.close_quietly(old.fd)
+        return handle
+
+    def _forget(self, relative: str) -> None:
+        handle = self._files.pop(relative, None)
+        if handle is not None:
+            posix.close_quietly(handle.fd)
+
+    @staticmethod
+    def _pread(fd: int, size: int, offset: int, relative: str) -> bytes | bytearray:
+        try:
+            return posix.pread_exact(fd, size, offset)
+        except OSError as error:
+            raise posix.storage_error(error, f"reading {relative}") from error
+
+    def _verified(self, relative: str, segment_id: str, size: int, offset: int, check: Callable[[Data], T]) -> T:
+        """Read and check ``size`` bytes; on a short or bad read retry once on a fresh descriptor."""
+        handle = self._open(relative, segment_id)
+        data = self._pread(handle.fd, size, offset, relative)
+        try:
+            return _checked(data, size, offset, relative, check)
+        except CorruptData:
+            self._forget(relative)
+        handle = self._open(relative, segment_id)
+        return _checked(self._pread(handle.fd, size, offset, relative), size, offset, relative, check)
+
+    # -- index frames -------------------------------------------------------------------
+
+    def index(self, segment: SegmentRef) -> frame.Index:
+        """The verified, parsed index frame a SegmentRef points to (cached)."""
+        key = (segment.path, segment.offset, segment.checksum)
+        cached = self._indexes.get(key)
+        if cached is not None:
+            self._indexes.move_to_end(key)
+            return cached
+        self.check_segment(segment)
+
+        def check(data: bytes | bytearray) -> frame.Index:
+            body = frame.decode_json_frame(data, frame.KIND_INDEX, segment.checksum)
+            return frame.parse_index(body)
+
+        parsed = self._verified(segment.path, segment.segment_id, segment.size, segment.offset, check)
+        self._indexes[key] = parsed
+        while len(self._indexes) > INDEX_CACHE_MAX:
+            self._indexes.popitem(last=False)
+        return parsed
+
+    # -- payloads --------------------------------------------------------------------------
+
+    def payload(self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int) -> bytes | bytearray:
+        """The whole verified payload of one record."""
+
+        def check(data: bytes | bytearray) -> bytes | bytearray:
+            _verify_chunks(memoryview(data), entry, chunk, 0, segment.path)
+            return data
+
+        if entry.length == 0:
+            return b""
+        return self._verified(segment.path, segment.segment_id, entry.length, entry.offset, check)
+
+    def payload_range(
+        self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int, start: int, stop: int
+    ) -> memoryview:
+        """Bytes ``start:stop`` of a payload, reading and verifying only the chunks they touch."""
+        if not 0 <= start <= stop <= entry.length:
+            raise ValueError(f"range {start}:{stop} outside a payload of {entry.length} bytes")
+        if start == stop:
+            return memoryview(b"")
+        first = start // chunk
+        last = (stop - 1) // chunk
+        lo = first * chunk
+        hi = min(entry.length, (last + 1) * chunk)
+
+        def check(data: bytes | bytearray) -> bytes | bytearray:
+            _verify_chunks(memoryview(data), entry, chunk, first, segment.path)
+            return data
+
+        data = self._verified(segment.path, segment.segment_id, hi - lo, entry.offset + lo, check)
+        return memoryview(data)[start - lo : stop - lo]
+
+
+def _verify_chunks(view: memoryview, entry: frame.IndexEntry, chunk: int, first: int, path: str) -> None:
+    digest = xxhash.xxh3_64_hexdigest
+    table = entry.chunks
+    for number, start in enumerate(range(0, view.nbytes, chunk), start=first):
+        if digest(view[start : start + chunk]) != table[16 * number : 16 * number + 16]:
+            raise CorruptData(
+                f"payload checksum mismatch in record {entry.record_id!r} (chunk {number}) of {path}; "
+                "the stored bytes are damaged"
+            )

@@ -1,0 +1,240 @@
+"""The appending pack writer of one writer incarnation (docs/DURABILITY.md D1-D4).
+
+A writer owns ``raw/<writer_id>/``: every pack there is written by this object
+only, so offsets are tracked here and appends use positional vectored writes
+straight from the callers' buffers. One call of :meth:`PackWriter.write` is one
+durable extent: record frames followed by the index frame that names them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._fs import durable, posix
+from ..backend import FilesystemBackend
+from ..errors import WriterFenced, invariant
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
+from . import frame
+
+PACK_SUFFIX = ".pack"
+STANDALONE_SUFFIX = ".seg"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A record ready to frame: description plus the caller's (flat) payload view."""
+
+    record_id: str
+    codec: str
+    metadata: dict[str, object]
+    tokens: int
+    payload: memoryview
+    content: str
+    chunks: str
+
+
+class CommitUncertain(Exception):
+    """The extent may be durable and visible: the caller must not treat the write as failed.
+
+    ``segment`` is the reference the write would return; ``dir_sync`` names a
+    directory whose sync is still owed (the new pack's rename may not be durable).
+    """
+
+    def __init__(self, segment: SegmentRef, dir_sync: str | None, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.segment = segment
+        self.dir_sync = dir_sync
+        self.cause = cause
+
+
+@dataclass
+class _OpenPack:
+    fd: int
+    segment_id: str
+    relative: str
+    size: int
+    extents: int
+
+
+class PackWriter:
+    """Appends extents to this incarnation's current pack, rotating by size."""
+
+    def __init__(self, backend: FilesystemBackend, run_id: str, writer_id: str, segment_target_bytes: int) -> None:
+        invariant(segment_target_bytes >= 0, "segment target is non-negative")
+        self.backend = backend
+        self.run_id = run_id
+        self.writer_id = writer_id
+        self.segment_target_bytes = segment_target_bytes
+        self.directory = f"raw/{writer_id}"
+        self._pack: _OpenPack | None = None
+        self._closed = False
+        self.packs_created = 0
+        self.bytes_written = 0
+
+    # -- public ------------------------------------------------------------------
+
+    def write(self, entries: Sequence[Entry], submission_id: str) -> SegmentRef:
+        """Durably write one extent; returns the SegmentRef of its index frame.
+
+        Raises the original error when nothing became visible (the write failed),
+        or :class:`CommitUncertain` once the extent may be visible (D2, D3).
+        """
+        if self._closed:
+            raise WriterFenced(f"writer {self.writer_id} is closed; open a new store to write")
+        self.backend.fault("before_publish")
+        if self.segment_target_bytes == 0:
+            return self._write_new_file(entries, submission_id, standalone=True)
+        estimate = frame.FRAME_HEADER_BYTES * (len(entries) + 1) + sum(e.payload.nbytes for e in entries)
+        pack = self._pack
+        if pack is not None and pack.extents and pack.size + estimate > self.segment_target_bytes:
+            self.backend.fault("before_rotate")
+            self.seal()
+            pack = None
+        if pack is None:
+            return self._write_new_file(entries, submission_id, standalone=False)
+        return self._append(pack, entries, submission_id)
+
+    def seal(self) -> None:
+        """D4: append a seal frame to the current pack, sync it, and stop appending there."""
+        pack = self._pack
+        if pack is None:
+            return
+        self._pack = None
+        try:
+            head, body, _ = frame.encode_json_frame(frame.KIND_SEAL, frame.seal_body(pack.extents, pack.size))
+            self.backend.fault("before_seal_write")
+            posix.pwrite_all(pack.fd, [head, body], pack.size)
+            self.backend.sync_file(pack.fd)
+            self.backend.fault("after_seal_sync")
+        finally:
+            posix.close_quietly(pack.fd)
+
+    def abandon(self) -> None:
+        """Stop appending to the current pack without writing to it (after a failed write)."""
+        if self._pack is not None:
+            posix.close_quietly(self._pack.fd)
+            self._pack = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.seal()
+        finally:
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def finish_dir_sync(self, directory: str) -> None:
+        """Redo a directory sync that an uncertain write still owes."""
+        self.backend.sync_dir(directory)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _layout(
+        self, entries: Sequence[Entry], submission_id: str, start: int
+    ) -> tuple[list[posix.Buffer], int, int, str]:
+        """Frames of one extent at ``start``: buffers, index offset, index size, index checksum."""
+        buffers: list[posix.Buffer] = []
+        placed: list[frame.IndexEntry] = []
+        position = start
+        for e in entries:
+            buffers.append(frame.encode_frame_header(frame.KIND_RECORD, e.payload.nbytes, e.content))
+            buffers.append(e.payload)
+            position += frame.FRAME_HEADER_BYTES
+            placed.append(
+                frame.IndexEntry(
+                    e.record_id, e.codec, e.metadata, e.tokens, position, e.payload.nbytes, e.content, e.chunks
+                )
+            )
+            position += e.payload.nbytes
+        head, body, sum_hex = frame.encode_json_frame(frame.KIND_INDEX, frame.index_body(submission_id, placed))
+        buffers += [head, body]
+        return buffers, position, len(head) + len(body), sum_hex
+
+    def _segment(self, relative: str, segment_id: str, offset: int, size: int, sum_hex: str) -> SegmentRef:
+        return SegmentRef(
+            run_id=self.run_id,
+            path=relative,
+            segment_id=segment_id,
+            size=size,
+            checksum=sum_hex,
+            version=frame.FORMAT_VERSION,
+            checksum_algorithm=CHECKSUM_ALGORITHM,
+            offset=offset,
+        )
+
+    def _append(self, pack: _OpenPack, entries: Sequence[Entry], submission_id: str) -> SegmentRef:
+        buffers, index_offset, index_size, sum_hex = self._layout(entries, submission_id, pack.size)
+        segment = self._segment(pack.relative, pack.segment_id, index_offset, index_size, sum_hex)
+        try:
+            self.backend.fault("before_data_write")
+            written = posix.pwrite_all(pack.fd, buffers, pack.size)
+            self.backend.fault("after_data_write")
+            self.backend.sync_file(pack.fd)
+        except BaseException:
+            # D1 failed: bytes past pack.size may be torn or unsynced. Nothing
+            # names them; never append after them (docs/DURABILITY.md I3).
+            self.abandon()
+            raise
+        pack.size += written
+        pack.extents += 1
+        self.bytes_written += written
+        invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
+        try:
+            self.backend.fault("after_data_sync")
+        except BaseException as error:
+            raise CommitUncertain(segment, None, error) from error
+        return segment
+
+    def _write_new_file(self, entries: Sequence[Entry], submission_id: str, *, standalone: bool) -> SegmentRef:
+        """D2: write the first extent of a new pack to a temporary name, sync, rename, sync dir."""
+        root = str(self.backend.root)
+        directory = os.path.join(root, self.directory)
+        durable.make_dirs(directory, root, self.backend.sync_dir)
+        segment_id = secrets.token_hex(16)
+        suffix = STANDALONE_SUFFIX if standalone else PACK_SUFFIX
+        relative = f"{self.directory}/{segment_id}{suffix}"
+        final = os.path.join(root, relative)
+        temp = os.path.join(directory, f".{segment_id}{suffix}.tmp")
+        flags = frame.FLAG_STANDALONE if standalone else 0
+        header = frame.encode_pack_header(self.run_id, segment_id, time.time_ns(), flags)
+        buffers, index_offset, index_size, sum_hex = self._layout(entries, submission_id, len(header))
+        size = index_offset + index_size
+        if standalone:
+            seal_head, seal, _ = frame.encode_json_frame(frame.KIND_SEAL, frame.seal_body(1, size))
+            buffers += [seal_head, seal]
+        segment = self._segment(relative, segment_id, index_offset, index_size, sum_hex)
+        fd = posix.create_exclusive(temp)
+        self.backend.metrics["files_created"] += 1
+        try:
+            self.backend.fault("before_data_write")
+            written = posix.pwrite_all(fd, [header, *buffers], 0)
+            self.backend.fault("after_data_write")
+            self.backend.sync_file(fd)
+            self.backend.fault("after_data_sync")
+            posix.rename(temp, final)
+        except BaseException:
+            posix.close_quietly(fd)
+            posix.unlink_quietly(temp)
+            raise
+        # The pack is visible from here on: failures are uncertain, not failed (D2.5).
+        self.packs_created += 1
+        self.bytes_written += written
+        if standalone:
+            posix.close_quietly(fd)
+        else:
+            self._pack = _OpenPack(fd, segment_id, relative, size, 1)
+        try:
+            self.backend.fault("before_dir_sync")
+            self.backend.sync_dir(directory)
+            self.backend.fault("after_dir_sync")
+        except BaseException as error:
+            raise CommitUncertain(segment, directory, error) from error
+        return segment

@@ -1,0 +1,100 @@
+"""Every named limit of straw, with the reason for its value.
+
+Names follow ``<NOUN>_<UNIT>_MAX``. Relations between limits are checked when
+this module is imported, so an edit that breaks one fails at once. Tests may
+shrink limits on the objects that use them (stores take most of them as
+constructor arguments) to reach "pack full" or "record too large" in a few
+operations; the module constants are the defaults.
+"""
+
+from __future__ import annotations
+
+from .errors import invariant
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# Records ------------------------------------------------------------------
+
+#: Default largest payload of one record. 16 GiB covers the largest single
+#: tensors RL pipelines ship (routing replay of long rollouts) while staying far
+#: below what a 64-bit offset can address.
+RECORD_BYTES_MAX = 16 * GiB
+
+#: Longest record id in UTF-8 bytes: ids are names, not payloads, and every id
+#: is repeated in the pack index.
+RECORD_ID_BYTES_MAX = 1 * KiB
+
+#: Longest codec name in UTF-8 bytes.
+CODEC_NAME_BYTES_MAX = 64
+
+#: Largest canonical-JSON encoding of one record's metadata (Limits.metadata_bytes).
+METADATA_BYTES_MAX = 256 * KiB
+
+#: Most records in one durable write. Bounds the index frame a reader must parse.
+RECORDS_PER_WRITE_MAX = 1_000_000
+
+#: Most dependencies of one publication.
+DEPENDENCIES_MAX = 10_000
+
+#: Longest submission id in UTF-8 bytes.
+SUBMISSION_ID_BYTES_MAX = 1 * KiB
+
+#: Largest value for a record's token count (signed 64-bit range).
+TOKENS_MAX = 2**63 - 1
+
+# Packs ---------------------------------------------------------------------
+
+#: Payload chunk covered by one checksum. 256 KiB keeps a verified row slice
+#: cheap (at most two chunks hashed at ~28 GiB/s, a few microseconds each)
+#: while a 1 GiB record needs only 4,096 checksums (32 KiB of index).
+CHUNK_BYTES = 256 * KiB
+
+#: Largest index frame body. An index lists every record of one write with its
+#: metadata and chunk checksums; 1 GiB bounds what a reader will allocate for
+#: a (possibly corrupt) length field.
+INDEX_BYTES_MAX = 1 * GiB
+
+#: Largest pack file a reader accepts an offset into (2**62): offsets are
+#: stored as unsigned 64-bit values and Python's pread takes signed ones.
+PACK_BYTES_MAX = 2**62
+
+#: Default rotation threshold of a pack (API.md section 5: segment_target_bytes).
+SEGMENT_TARGET_BYTES_DEFAULT = 1 * GiB
+
+#: Default cap on memory the store may buffer on its own behalf.
+BUFFER_BYTES_MAX_DEFAULT = 512 * MiB
+
+# I/O -----------------------------------------------------------------------
+
+#: Largest count handed to one read or write system call. Linux transfers at
+#: most 0x7FFFF000 bytes per call; staying below keeps every short transfer a
+#: real end-of-file or error instead of a kernel cap.
+SYSCALL_BYTES_MAX = 1 * GiB
+
+#: Most buffers in one vectored write (POSIX IOV_MAX is 1024 on Linux).
+IOVEC_COUNT_MAX = 1024
+
+#: Open pack file descriptors one reader keeps cached.
+OPEN_PACKS_MAX = 64
+
+#: Delays (seconds) between attempts to open a file that is not yet visible
+#: (a shared mount's metadata can lag by a moment). The sum, ~4 s, bounds how
+#: long a read waits before raising StorageUnavailable.
+VISIBILITY_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+
+#: Submission ids one store instance remembers for idempotent retries. Older
+#: ids are forgotten first; a retry of a forgotten id writes a new, logically
+#: identical copy (same digest), never different data.
+SUBMISSIONS_REMEMBERED_MAX = 1_000_000
+
+# Relations -----------------------------------------------------------------
+
+invariant(CHUNK_BYTES > 0 and CHUNK_BYTES % 4096 == 0, "chunks are whole pages")
+invariant(SYSCALL_BYTES_MAX < 0x7FFFF000, "one syscall never hits the Linux transfer cap")
+invariant(CHUNK_BYTES <= SYSCALL_BYTES_MAX, "a chunk is read by one syscall")
+invariant(RECORD_BYTES_MAX < PACK_BYTES_MAX, "a record fits in a pack")
+invariant(METADATA_BYTES_MAX < INDEX_BYTES_MAX, "one record's metadata fits an index")
+invariant(RECORD_BYTES_MAX // CHUNK_BYTES * 16 < INDEX_BYTES_MAX, "chunk table of the largest record fits")
+invariant(sum(VISIBILITY_RETRY_DELAYS) < 10, "a read never waits more than a few seconds")

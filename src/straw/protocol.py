@@ -1,0 +1,340 @@
+"""Control types and canonical JSON (API.md section 2).
+
+Everything here is small, frozen and JSON-encodable with ``dataclasses.asdict``.
+References never carry payload bytes or absolute paths; their field values are
+straw's own (docs/FORMAT.md), their names are the contract's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import CorruptData, InvalidReference
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "AcquireResult",
+    "Assignment",
+    "CommitPage",
+    "CommitReceipt",
+    "Lease",
+    "Limits",
+    "Publication",
+    "Record",
+    "RecordRef",
+    "RecordSetRef",
+    "SegmentRef",
+    "TaskSpec",
+    "decode",
+    "digest",
+    "encode",
+]
+
+#: Checksum algorithm named by every reference this version writes (docs/FORMAT.md).
+CHECKSUM_ALGORITHM = "xxh3-128"
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+# --------------------------------------------------------------------------- canonical JSON
+
+
+def _plain(value: Any) -> Any:
+    """JSON default hook: dataclasses become dicts, tuples are handled by json itself."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-encodable; pass dicts, lists, str, numbers")
+
+
+def encode(value: Any) -> bytes:
+    """Canonical JSON: sorted keys, compact separators, UTF-8, no NaN/Infinity."""
+    try:
+        text = json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_plain
+        )
+    except ValueError as error:
+        raise ValueError(f"cannot encode canonically: {error} (NaN and Infinity are rejected)") from None
+    return text.encode("utf-8")
+
+
+def _reject_constant(name: str) -> Any:
+    raise CorruptData(f"canonical JSON never contains {name}")
+
+
+def decode(data: bytes | bytearray | memoryview) -> Any:
+    """Reverse :func:`encode`; any invalid input raises :class:`CorruptData`."""
+    try:
+        text = bytes(data).decode("utf-8")
+        return json.loads(text, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise CorruptData(f"invalid canonical JSON: {error}") from None
+
+
+def digest(value: Any) -> str:
+    """SHA-256 hex of the canonical encoding."""
+    return hashlib.sha256(encode(value)).hexdigest()
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise InvalidReference(f"{what} must be a mapping, got {type(data).__name__}")
+    if name not in data:
+        raise InvalidReference(f"{what} is missing field {name!r}")
+    value = data[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidReference(f"{what}.{name} has type {type(value).__name__}")
+    return value
+
+
+def _check_int64(value: object, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError(f"{name} must be an integer in the signed 64-bit range, got {value!r}")
+
+
+def _check_count(value: object, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------- references
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """One immutable, checksummed extent of a file inside the pool."""
+
+    run_id: str
+    path: str
+    segment_id: str
+    size: int
+    checksum: str
+    version: int = 1
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    offset: int = 0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SegmentRef:
+        what = "SegmentRef"
+        return cls(
+            run_id=_field(data, "run_id", str, what),
+            path=_field(data, "path", str, what),
+            segment_id=_field(data, "segment_id", str, what),
+            size=_field(data, "size", int, what),
+            checksum=_field(data, "checksum", str, what),
+            version=_field(data, "version", int, what) if "version" in data else 1,
+            checksum_algorithm=(
+                _field(data, "checksum_algorithm", str, what)
+                if "checksum_algorithm" in data
+                else CHECKSUM_ALGORITHM
+            ),
+            offset=_field(data, "offset", int, what) if "offset" in data else 0,
+        )
+
+
+@dataclass(frozen=True)
+class RecordRef:
+    """One record: the index extent that lists it and its position there."""
+
+    segment: SegmentRef
+    ordinal: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RecordRef:
+        segment = _field(data, "segment", (Mapping, SegmentRef), "RecordRef")
+        if not isinstance(segment, SegmentRef):
+            segment = SegmentRef.from_dict(segment)
+        return cls(segment=segment, ordinal=_field(data, "ordinal", int, "RecordRef"))
+
+
+@dataclass(frozen=True)
+class RecordSetRef:
+    """An ordered, logically identified set of records plus dependencies."""
+
+    manifest: RecordRef
+    digest: str
+    records: int
+    payload_bytes: int
+    tokens: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RecordSetRef:
+        what = "RecordSetRef"
+        manifest = _field(data, "manifest", (Mapping, RecordRef), what)
+        if not isinstance(manifest, RecordRef):
+            manifest = RecordRef.from_dict(manifest)
+        return cls(
+            manifest=manifest,
+            digest=_field(data, "digest", str, what),
+            records=_field(data, "records", int, what),
+            payload_bytes=_field(data, "payload_bytes", int, what),
+            tokens=_field(data, "tokens", int, what),
+        )
+
+
+# --------------------------------------------------------------------------- payload types
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record to write, or one record read back (payload is bytes-like)."""
+
+    record_id: str
+    payload: bytes | bytearray | memoryview
+    codec: str = "bytes.v1"
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Records plus dependencies; an int dependency names an earlier publication of the same call."""
+
+    records: tuple[Record, ...]
+    dependencies: tuple[RecordSetRef | int, ...] = ()
+
+
+# --------------------------------------------------------------------------- queue types
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A unit of work: an optional input reference plus scheduling fields."""
+
+    task_id: str
+    input_ref: RecordSetRef | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    allow_empty: bool = False
+    max_attempts: int = 3
+    estimated_records: int = 1
+    estimated_bytes: int = 0
+    estimated_tokens: int = 0
+    control: bool = False
+    priority: int = 0
+    scheduling_key: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task_id, str) or not self.task_id:
+            raise ValueError(f"task_id must be a non-empty string, got {self.task_id!r}")
+        if self.input_ref is not None and not isinstance(self.input_ref, RecordSetRef):
+            raise TypeError(f"input_ref must be a RecordSetRef or None, got {type(self.input_ref).__name__}")
+        if not isinstance(self.max_attempts, int) or isinstance(self.max_attempts, bool) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
+        for name in ("estimated_records", "estimated_bytes", "estimated_tokens"):
+            _check_count(getattr(self, name), name)
+        _check_int64(self.priority, "priority")
+        _check_int64(self.scheduling_key, "scheduling_key")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TaskSpec:
+        values = dict(data)
+        ref = values.get("input_ref")
+        if ref is not None and not isinstance(ref, RecordSetRef):
+            values["input_ref"] = RecordSetRef.from_dict(ref)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - names
+        if unknown:
+            raise ValueError(f"TaskSpec.from_dict got unknown fields {sorted(unknown)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right of one worker to work on one attempt of one task until it expires."""
+
+    run_id: str
+    queue_id: str
+    task_id: str
+    attempt_id: str
+    generation: int
+    coordinator_epoch: int
+    token: str
+    worker_id: str
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Lease:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A task handed to a worker together with its lease."""
+
+    task: TaskSpec
+    lease: Lease
+
+
+AcquireStatus = Literal["acquired", "empty", "backpressured", "end_of_input", "draining"]
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """The answer to ``acquire``: a status and zero or more assignments."""
+
+    status: AcquireStatus
+    assignments: tuple[Assignment, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommitReceipt:
+    """Proof that a task's result was accepted at a position of the accepted log."""
+
+    commit_id: str
+    task_id: str
+    submission_id: str
+    digest: str
+    position: int
+    result_ref: RecordSetRef
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CommitReceipt:
+        values = {f.name: data[f.name] for f in dataclasses.fields(cls)}
+        ref = values["result_ref"]
+        if not isinstance(ref, RecordSetRef):
+            values["result_ref"] = RecordSetRef.from_dict(ref)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class CommitPage:
+    """A page of the accepted log and the cursor to continue from."""
+
+    commits: tuple[CommitReceipt, ...]
+    cursor: int
+    end_of_input: bool
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Identity fields of a queue kept for compatibility; every field must be positive."""
+
+    pending_tasks: int = 10_000
+    inflight_tasks: int = 256
+    control_tasks: int = 1
+    accepted_records: int = 100_000
+    accepted_bytes: int = 64 * 1024**3
+    accepted_tokens: int = 100_000_000
+    ready_bytes: int = 64 * 1024**3
+    max_result_bytes: int = 4 * 1024**3
+    max_result_tokens: int = 100_000_000
+    metadata_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"Limits.{f.name} must be positive, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"Limits.{f.name} must be finite, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Limits:
+        return cls(**dict(data))

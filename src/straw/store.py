@@ -1,0 +1,675 @@
+"""SharedFilesystemStore: the packed, checksummed record store (API.md section 5).
+
+Writes: records are checked and hashed in memory, then one durable extent per
+call is appended to this writer's pack (``straw._pack.writer``); the reference
+returned names the extent's index frame by offset, size and checksum.
+Reads: every reference is checked, every index frame is verified against the
+checksum the reference carries and every payload chunk against the index.
+Ordering and failure handling follow docs/DURABILITY.md (D1-D5, I1-I6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import xxhash
+
+from ._fs import durable, posix
+from ._pack import frame
+from ._pack.reader import PackReader
+from ._pack.writer import CommitUncertain, Entry, PackWriter
+from .backend import FilesystemBackend
+from .errors import (
+    CorruptData,
+    IdempotencyConflict,
+    IndeterminateCommit,
+    InvalidReference,
+    ResourceLimitExceeded,
+    UnsupportedSchema,
+    WriterBusy,
+    invariant,
+)
+from .limits import (
+    BUFFER_BYTES_MAX_DEFAULT,
+    CODEC_NAME_BYTES_MAX,
+    DEPENDENCIES_MAX,
+    METADATA_BYTES_MAX,
+    RECORD_BYTES_MAX,
+    RECORD_ID_BYTES_MAX,
+    RECORDS_PER_WRITE_MAX,
+    SEGMENT_TARGET_BYTES_DEFAULT,
+    SUBMISSION_ID_BYTES_MAX,
+    SUBMISSIONS_REMEMBERED_MAX,
+    TOKENS_MAX,
+)
+from .protocol import Publication, Record, RecordRef, RecordSetRef, SegmentRef, decode, digest, encode
+
+__all__ = ["POOL_MARKER", "ReadSession", "SharedFilesystemStore"]
+
+#: File at the pool root naming the format; written once, durably (D0).
+POOL_MARKER = "straw-pool.json"
+POOL_FORMAT = {"format": "straw-pool", "version": frame.FORMAT_VERSION}
+RUN_ID_BYTES_MAX = 256
+
+
+# --------------------------------------------------------------------------- logical identity
+
+
+def logical_digest(entries: Sequence[frame.IndexEntry | Entry], dependency_digests: Sequence[str]) -> str:
+    """The layout-independent identity of a record set (docs/FORMAT.md section "Logical digest")."""
+    records = [
+        [e.record_id, e.codec, e.metadata, e.tokens, _length(e), e.content] for e in entries
+    ]
+    return digest({"v": frame.FORMAT_VERSION, "records": records, "deps": list(dependency_digests)})
+
+
+def _length(entry: frame.IndexEntry | Entry) -> int:
+    return entry.length if isinstance(entry, frame.IndexEntry) else entry.payload.nbytes
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class _Located:
+    """A record's verified index entry and the segment whose index lists it."""
+
+    segment: SegmentRef
+    ordinal: int
+    entry: frame.IndexEntry
+    chunk: int
+
+    def ref(self) -> RecordRef:
+        return RecordRef(self.segment, self.ordinal)
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    manifest: frame.Manifest
+    records: tuple[_Located, ...]
+    dependencies: tuple[RecordSetRef, ...]
+
+
+class ReadSession:
+    """Verified reads sharing one cache of open packs and parsed index frames.
+
+    Not an ownership pin: it keeps nothing alive (API.md section 5).
+    """
+
+    def __init__(self, backend: FilesystemBackend, run_id: str) -> None:
+        self._reader = PackReader(backend, run_id)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> ReadSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- locating ------------------------------------------------------------------
+
+    def locate(self, ref: RecordRef) -> _Located:
+        if not isinstance(ref, RecordRef):
+            raise InvalidReference(f"expected a RecordRef, got {type(ref).__name__}")
+        index = self._reader.index(ref.segment)
+        ordinal = ref.ordinal
+        if not isinstance(ordinal, int) or isinstance(ordinal, bool) or not 0 <= ordinal < len(index.entries):
+            raise InvalidReference(f"record ordinal {ordinal!r} is not in an extent of {len(index.entries)} records")
+        return _Located(ref.segment, ordinal, index.entries[ordinal], index.chunk_bytes)
+
+    def resolve(self, ref: RecordSetRef) -> _Resolved:
+        """Verify a record set reference down to its records' index entries."""
+        if not isinstance(ref, RecordSetRef):
+            raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
+        top = self.locate(ref.manifest)
+        if top.entry.codec != frame.MANIFEST_CODEC:
+            raise InvalidReference(f"record {top.entry.record_id!r} is not a manifest")
+        manifest = frame.parse_manifest(decode(self._reader.payload(top.segment, top.entry, top.chunk)))
+        if manifest.digest != ref.digest:
+            raise InvalidReference("the reference's digest does not match the manifest it points to (forged or stale)")
+        segments = [self._segment(s) for s in manifest.segments]
+        records = []
+        for seg_index, ordinal in manifest.records:
+            segment = top.segment if seg_index < 0 else segments[seg_index]
+            try:
+                records.append(self.locate(RecordRef(segment, ordinal)))
+            except InvalidReference as error:
+                raise CorruptData(f"manifest names a record that does not exist: {error}") from None
+        dependencies = tuple(self._dependency(d, top.segment) for d in manifest.dependencies)
+        entries = [r.entry for r in records]
+        if logical_digest(entries, [d.digest for d in dependencies]) != manifest.digest:
+            raise CorruptData("manifest digest does not match its records (damaged manifest)")
+        payload = sum(e.length for e in entries)
+        tokens = sum(e.tokens for e in entries)
+        if (ref.records, ref.payload_bytes, ref.tokens) != (len(entries), payload, tokens):
+            raise InvalidReference("the reference's record, byte or token counts do not match its manifest")
+        return _Resolved(manifest, tuple(records), dependencies)
+
+    @staticmethod
+    def _segment(data: Mapping[str, Any]) -> SegmentRef:
+        try:
+            return SegmentRef.from_dict(data)
+        except (InvalidReference, TypeError) as error:
+            raise CorruptData(f"manifest holds a malformed segment: {error}") from None
+
+    @staticmethod
+    def _dependency(data: Mapping[str, Any], here: SegmentRef) -> RecordSetRef:
+        try:
+            if "self" in data:
+                return RecordSetRef(
+                    manifest=RecordRef(here, data["self"]),
+                    digest=data["digest"],
+                    records=data["records"],
+                    payload_bytes=data["payload_bytes"],
+                    tokens=data["tokens"],
+                )
+            return RecordSetRef.from_dict(data["ref"])
+        except (KeyError, InvalidReference, TypeError) as error:
+            raise CorruptData(f"manifest holds a malformed dependency: {error}") from None
+
+    # -- public reads ----------------------------------------------------------------
+
+    def read(self, ref: RecordSetRef) -> Iterator[Record]:
+        """Records of a set in manifest order; the reference is verified before this returns."""
+        resolved = self.resolve(ref)
+        return (self._record(located) for located in resolved.records)
+
+    def read_record(self, ref: RecordRef) -> Record:
+        return self._record(self.locate(ref))
+
+    def _record(self, located: _Located) -> Record:
+        e = located.entry
+        payload = self._reader.payload(located.segment, e, located.chunk)
+        return Record(e.record_id, payload, e.codec, dict(e.metadata), e.tokens)
+
+    def manifest(self, ref: RecordSetRef) -> dict[str, Any]:
+        resolved = self.resolve(ref)
+        return {
+            "version": frame.FORMAT_VERSION,
+            "digest": resolved.manifest.digest,
+            "records": [asdict(r.ref()) for r in resolved.records],
+            "dependencies": [asdict(d) for d in resolved.dependencies],
+        }
+
+    def validate(
+        self, ref: RecordSetRef, *, task_id: str | None = None, attempt_id: str | None = None
+    ) -> tuple[RecordRef, ...]:
+        """Verify a record set's structure (not payload bytes); with task/attempt, check ownership."""
+        resolved = self.resolve(ref)
+        if task_id is not None or attempt_id is not None:
+            for located in resolved.records:
+                meta = located.entry.metadata
+                if (task_id is not None and meta.get("task_id") != task_id) or (
+                    attempt_id is not None and meta.get("attempt_id") != attempt_id
+                ):
+                    raise InvalidReference(
+                        f"record {located.entry.record_id!r} does not belong to task {task_id!r} attempt "
+                        f"{attempt_id!r} (its metadata names task {meta.get('task_id')!r} attempt "
+                        f"{meta.get('attempt_id')!r})"
+                    )
+        return tuple(r.ref() for r in resolved.records)
+
+    def envelope(self, ref: RecordRef) -> dict[str, Any]:
+        """A record's verified description without its payload."""
+        located = self.locate(ref)
+        e = located.entry
+        return {
+            "record_id": e.record_id,
+            "codec": e.codec,
+            "metadata": dict(e.metadata),
+            "tokens": e.tokens,
+            "payload_bytes": e.length,
+            "checksum": e.content,
+            "chunk_bytes": located.chunk,
+        }
+
+    def read_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
+        """Payload bytes ``start:stop``, reading and verifying only the chunks they touch."""
+        located = self.locate(ref)
+        return self._reader.payload_range(located.segment, located.entry, located.chunk, start, stop)
+
+
+# --------------------------------------------------------------------------- writing helpers
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    kind: str
+    fingerprint: str
+    result: Any
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A submission whose outcome is uncertain (docs/DURABILITY.md I5)."""
+
+    submission_id: str
+    remembered: _Remembered
+    dir_sync: str | None
+
+
+def _flat_view(payload: object, record_id: str) -> memoryview:
+    try:
+        view = memoryview(payload)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"record {record_id!r}: payload must be bytes, bytearray or a contiguous buffer, "
+            f"got {type(payload).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError(f"record {record_id!r}: payload buffer must be C-contiguous")
+    if view.ndim == 1 and view.itemsize == 1:
+        return view if view.format == "B" else view.cast("B")
+    if view.ndim == 0:
+        return memoryview(view.tobytes())
+    return view.cast("B")
+
+
+def _check_text(value: object, what: str, limit: int) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if len(value.encode("utf-8")) > limit:
+        raise ResourceLimitExceeded(f"{what} is longer than {limit} bytes")
+    return value
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class SharedFilesystemStore:
+    """Immutable records appended to per-writer packs in a pool on a mounted filesystem."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        run_id: str,
+        *,
+        backend: FilesystemBackend | None = None,
+        codecs: Iterable[str] = ("bytes.v1", "json.v1"),
+        max_record_bytes: int = RECORD_BYTES_MAX,
+        max_buffer_bytes: int = BUFFER_BYTES_MAX_DEFAULT,
+        segment_target_bytes: int = SEGMENT_TARGET_BYTES_DEFAULT,
+        online_gc: bool = False,
+    ) -> None:
+        self.run_id = _check_text(run_id, "run_id", RUN_ID_BYTES_MAX)
+        if backend is None:
+            backend = FilesystemBackend(root)
+        elif os.path.abspath(os.fspath(root)) != str(backend.root):
+            raise ValueError(f"root {os.fspath(root)!r} differs from the backend's root {str(backend.root)!r}")
+        self.backend = backend
+        self.codecs = self._check_codecs(codecs)
+        for name, value in (("max_record_bytes", max_record_bytes), ("max_buffer_bytes", max_buffer_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(segment_target_bytes, int) or segment_target_bytes < 0:
+            raise ValueError(f"segment_target_bytes must be >= 0, got {segment_target_bytes!r}")
+        self.max_record_bytes = max_record_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        self.segment_target_bytes = segment_target_bytes
+        # Recorded for the ownership catalog (docs/DURABILITY.md, "Lifetime").
+        self.online_gc = bool(online_gc)
+        self.writer_id = secrets.token_hex(16)
+        self._open_pool()
+        self._writer = PackWriter(backend, self.run_id, self.writer_id, segment_target_bytes)
+        self._lock = threading.Lock()
+        self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
+        self._pending: _Pending | None = None
+        self._local = threading.local()
+        self._sessions: list[ReadSession] = []
+        self._counts = {"payload_bytes": 0, "records": 0, "publications": 0, "writes": 0, "idempotent_hits": 0}
+
+    def __repr__(self) -> str:
+        return f"SharedFilesystemStore({str(self.backend.root)!r}, run_id={self.run_id!r}, writer={self.writer_id})"
+
+    @staticmethod
+    def _check_codecs(codecs: Iterable[str]) -> tuple[str, ...]:
+        if isinstance(codecs, str):
+            raise TypeError("codecs must be a sequence of codec names, not one string")
+        names = tuple(codecs)
+        for name in names:
+            _check_text(name, "codec name", CODEC_NAME_BYTES_MAX)
+            if "pickle" in name.lower():
+                raise UnsupportedSchema(f"codec {name!r}: straw never stores or loads pickle")
+            if name.startswith("straw."):
+                raise ValueError(f"codec {name!r}: names starting with 'straw.' are reserved")
+        return names
+
+    def _open_pool(self) -> None:
+        """Create the pool directory and marker on first use, or check the existing marker."""
+        root = str(self.backend.root)
+        marker = os.path.join(root, POOL_MARKER)
+        try:
+            os.makedirs(os.path.dirname(root), exist_ok=True)
+            durable.make_dirs(root, os.path.dirname(root), self.backend.sync_dir)
+            if not os.path.exists(marker):
+                durable.create_file(marker, [encode(POOL_FORMAT)], self.backend.sync_file, self.backend.sync_dir)
+            with open(marker, "rb") as handle:
+                found = decode(handle.read(4096))
+            durable.make_dirs(os.path.join(root, "raw"), root, self.backend.sync_dir)
+        except OSError as error:
+            raise posix.storage_error(error, f"opening pool {root}") from error
+        if not isinstance(found, dict) or found.get("format") != POOL_FORMAT["format"]:
+            raise CorruptData(f"{marker} is not a straw pool marker")
+        if found.get("version") != POOL_FORMAT["version"]:
+            raise UnsupportedSchema(f"pool format version {found.get('version')!r} is not supported")
+
+    # -- context -------------------------------------------------------------------------
+
+    def __enter__(self) -> SharedFilesystemStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        counts: dict[str, Any] = dict(self._counts)
+        counts.update(
+            packs_created=self._writer.packs_created,
+            bytes_written=self._writer.bytes_written,
+            syncs=self.backend.metrics["syncs"],
+            files_created=self.backend.metrics["files_created"],
+        )
+        return counts
+
+    # -- writing: public -------------------------------------------------------------------
+
+    def publish(
+        self, records: Iterable[Record], *, submission_id: str, dependencies: Iterable[RecordSetRef] = ()
+    ) -> RecordSetRef:
+        """Durably publish one record set; returns its reference (D1/D2)."""
+        publication = Publication(tuple(records), tuple(dependencies))
+        for dep in publication.dependencies:
+            if not isinstance(dep, RecordSetRef):
+                raise TypeError(f"publish dependencies must be RecordSetRef, got {type(dep).__name__}")
+        return self._publish("publish", [publication], submission_id)[0]  # type: ignore[no-any-return]
+
+    def publish_many(self, publications: Iterable[Publication], *, submission_id: str) -> tuple[RecordSetRef, ...]:
+        """Many logical record sets in one durable write."""
+        return tuple(self._publish("publish_many", list(publications), submission_id))
+
+    def write_records(self, records: Iterable[Record], *, submission_id: str) -> tuple[RecordRef, ...]:
+        """Durably write records without a manifest; combine them later with :meth:`record_set`."""
+        _check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
+        entries = [self._entry(r) for r in records]
+        self._check_count(len(entries))
+        fingerprint = logical_digest(entries, [])
+
+        def result(segment: SegmentRef) -> tuple[RecordRef, ...]:
+            return tuple(RecordRef(segment, i) for i in range(len(entries)))
+
+        return self._commit("write_records", submission_id, fingerprint, entries, result)  # type: ignore[no-any-return]
+
+    def record_set(
+        self, refs: Iterable[RecordRef], *, submission_id: str, dependencies: Iterable[RecordSetRef] = ()
+    ) -> RecordSetRef:
+        """Publish a manifest over records already written (same digest as publishing them directly)."""
+        _check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
+        session = self._session()
+        located = [session.locate(r) for r in refs]
+        self._check_count(len(located))
+        deps = self._external_dependencies(list(dependencies))
+        entries = [x.entry for x in located]
+        segment_ids: dict[tuple[str, int], int] = {}
+        segments: list[dict[str, Any]] = []
+        pairs = []
+        for x in located:
+            key = (x.segment.path, x.segment.offset)
+            if key not in segment_ids:
+                segment_ids[key] = len(segments)
+                segments.append(asdict(x.segment))
+            pairs.append((segment_ids[key], x.ordinal))
+        set_digest = logical_digest(entries, [d["digest"] for d in deps])
+        manifest = frame.Manifest(set_digest, tuple(pairs), tuple(segments), tuple(deps))
+        manifest_entry = self._manifest_entry(manifest, "manifest")
+        payload = sum(e.length for e in entries)
+        tokens = sum(e.tokens for e in entries)
+
+        def result(segment: SegmentRef) -> RecordSetRef:
+            return RecordSetRef(RecordRef(segment, 0), set_digest, len(entries), payload, tokens)
+
+        return self._commit("record_set", submission_id, set_digest, [manifest_entry], result)  # type: ignore[no-any-return]
+
+    # -- writing: machinery -------------------------------------------------------------
+
+    def _check_count(self, count: int) -> None:
+        if count > RECORDS_PER_WRITE_MAX:
+            raise ResourceLimitExceeded(f"{count} records in one write exceeds {RECORDS_PER_WRITE_MAX}")
+
+    def _entry(self, record: Record) -> Entry:
+        """Check one record against every limit and hash it; nothing is written yet."""
+        if not isinstance(record, Record):
+            raise TypeError(f"expected a straw Record, got {type(record).__name__}")
+        record_id = _check_text(record.record_id, "record_id", RECORD_ID_BYTES_MAX)
+        if record.codec not in self.codecs:
+            raise UnsupportedSchema(
+                f"record {record_id!r}: codec {record.codec!r} is not registered with this store "
+                f"(registered: {', '.join(self.codecs)}; pickle is never accepted)"
+            )
+        metadata = record.metadata
+        if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+            raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
+        encoded = len(encode(metadata))
+        if encoded > METADATA_BYTES_MAX:
+            raise ResourceLimitExceeded(
+                f"record {record_id!r}: metadata is {encoded} bytes, the limit is {METADATA_BYTES_MAX}"
+            )
+        tokens = record.tokens
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= TOKENS_MAX:
+            raise ValueError(f"record {record_id!r}: tokens must be a non-negative 64-bit integer, got {tokens!r}")
+        view = _flat_view(record.payload, record_id)
+        if view.nbytes > self.max_record_bytes:
+            raise ResourceLimitExceeded(
+                f"record {record_id!r}: payload of {view.nbytes} bytes exceeds max_record_bytes={self.max_record_bytes}"
+            )
+        content = xxhash.xxh3_128_hexdigest(view)
+        return Entry(record_id, record.codec, metadata, tokens, view, content, frame.chunk_checksums(view))
+
+    def _manifest_entry(self, manifest: frame.Manifest, record_id: str) -> Entry:
+        body = encode(frame.manifest_body(manifest))
+        view = memoryview(body)
+        return Entry(
+            record_id, frame.MANIFEST_CODEC, {}, 0, view, xxhash.xxh3_128_hexdigest(view), frame.chunk_checksums(view)
+        )
+
+    def _external_dependencies(self, dependencies: list[RecordSetRef]) -> list[dict[str, Any]]:
+        """Verify dependencies outside this call; their manifests must exist and match (I1)."""
+        if len(dependencies) > DEPENDENCIES_MAX:
+            raise ResourceLimitExceeded(f"{len(dependencies)} dependencies exceed {DEPENDENCIES_MAX}")
+        session = self._session()
+        out = []
+        for dep in dependencies:
+            if not isinstance(dep, RecordSetRef):
+                raise TypeError(f"dependency must be a RecordSetRef, got {type(dep).__name__}")
+            session.resolve(dep)
+            out.append({"digest": dep.digest, "ref": asdict(dep)})
+        return out
+
+    def _publish(self, kind: str, publications: list[Publication], submission_id: str) -> list[RecordSetRef]:
+        _check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
+        entries: list[Entry] = []
+        sets: list[tuple[int, str, int, int, int]] = []  # manifest ordinal, digest, records, bytes, tokens
+        for number, publication in enumerate(publications):
+            if not isinstance(publication, Publication):
+                raise TypeError(f"publish_many takes Publication objects, got {type(publication).__name__}")
+            records = [self._entry(r) for r in publication.records]
+            deps = self._publication_dependencies(publication.dependencies, number, sets)
+            set_digest = logical_digest(records, [d["digest"] for d in deps])
+            first = len(entries)
+            pairs = tuple((-1, first + i) for i in range(len(records)))
+            entries.extend(records)
+            manifest = frame.Manifest(set_digest, pairs, (), tuple(deps))
+            entries.append(self._manifest_entry(manifest, f"manifest-{number}"))
+            payload = sum(e.payload.nbytes for e in records)
+            sets.append((len(entries) - 1, set_digest, len(records), payload, sum(e.tokens for e in records)))
+            self._check_count(len(entries))
+        fingerprint = digest([kind, [s[1] for s in sets]])
+
+        def result(segment: SegmentRef) -> list[RecordSetRef]:
+            return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]
+
+        return self._commit(kind, submission_id, fingerprint, entries, result)  # type: ignore[no-any-return]
+
+    def _publication_dependencies(
+        self, dependencies: Sequence[RecordSetRef | int], number: int, earlier: list[tuple[int, str, int, int, int]]
+    ) -> list[dict[str, Any]]:
+        external = [d for d in dependencies if not isinstance(d, int)]
+        resolved = iter(self._external_dependencies(external))  # type: ignore[arg-type]
+        out = []
+        for dep in dependencies:
+            if isinstance(dep, bool) or not isinstance(dep, int):
+                out.append(next(resolved))
+                continue
+            if not 0 <= dep < number:
+                raise ValueError(f"publication {number}: int dependency {dep} must name an earlier publication")
+            ordinal, set_digest, records, payload, tokens = earlier[dep]
+            out.append(
+                {"digest": set_digest, "self": ordinal, "records": records, "payload_bytes": payload, "tokens": tokens}
+            )
+        return out
+
+    def _commit(self, kind: str, submission_id: str, fingerprint: str, entries: list[Entry], result: Any) -> Any:
+        """Idempotency, uncertainty and the durable write of one extent (D1/D2, I4/I5)."""
+        remembered = _Remembered(kind, fingerprint, None)
+        with self._lock:
+            known = self._submissions.get(submission_id)
+            if known is not None:
+                if (known.kind, known.fingerprint) != (kind, fingerprint):
+                    raise IdempotencyConflict(
+                        f"submission {submission_id!r} was already used for different content; use a new id"
+                    )
+                self._counts["idempotent_hits"] += 1
+                return known.result
+            pending = self._pending
+            if pending is not None:
+                return self._resolve_pending(pending, submission_id, remembered)
+            try:
+                segment = self._writer.write(entries, submission_id)
+            except CommitUncertain as uncertain:
+                value = result(uncertain.segment)
+                self._pending = _Pending(
+                    submission_id, _Remembered(kind, fingerprint, value), uncertain.dir_sync
+                )
+                self._account(entries, kind)
+                raise IndeterminateCommit(
+                    f"submission {submission_id!r} may or may not be durable ({uncertain.cause!r}); "
+                    "retry the same submission to resolve it"
+                ) from uncertain.cause
+            except OSError as error:
+                raise posix.storage_error(error, f"publishing submission {submission_id!r}") from error
+            value = result(segment)
+            self._account(entries, kind)
+            try:
+                self.backend.fault("after_publish")
+            except BaseException as error:
+                self._pending = _Pending(submission_id, _Remembered(kind, fingerprint, value), None)
+                raise IndeterminateCommit(
+                    f"submission {submission_id!r} is durable but its reply was interrupted ({error!r}); "
+                    "retry the same submission to get its reference"
+                ) from error
+            self._remember(submission_id, _Remembered(kind, fingerprint, value))
+            return value
+
+    def _resolve_pending(self, pending: _Pending, submission_id: str, attempt: _Remembered) -> Any:
+        if pending.submission_id != submission_id:
+            raise WriterBusy(
+                f"submission {pending.submission_id!r} has an uncertain outcome; retry it before writing "
+                f"{submission_id!r}"
+            )
+        known = pending.remembered
+        if (known.kind, known.fingerprint) != (attempt.kind, attempt.fingerprint):
+            raise IdempotencyConflict(
+                f"submission {submission_id!r} is being retried with different content than its uncertain write"
+            )
+        if pending.dir_sync is not None:
+            try:
+                self._writer.finish_dir_sync(pending.dir_sync)
+            except OSError as error:
+                raise posix.storage_error(error, f"resolving submission {submission_id!r}") from error
+        self._pending = None
+        self._remember(submission_id, known)
+        return known.result
+
+    def _remember(self, submission_id: str, remembered: _Remembered) -> None:
+        self._submissions[submission_id] = remembered
+        while len(self._submissions) > SUBMISSIONS_REMEMBERED_MAX:
+            self._submissions.popitem(last=False)
+
+    def _account(self, entries: list[Entry], kind: str) -> None:
+        data = [e for e in entries if e.codec != frame.MANIFEST_CODEC]
+        self._counts["payload_bytes"] += sum(e.payload.nbytes for e in data)
+        self._counts["records"] += len(data)
+        self._counts["writes"] += 1
+        self._counts["publications"] += len(entries) - len(data)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def seal(self) -> None:
+        """Close the current pack for appends; the next write opens a new pack (D4)."""
+        with self._lock:
+            try:
+                self._writer.seal()
+            except OSError as error:
+                raise posix.storage_error(error, "sealing the current pack") from error
+
+    def close(self) -> None:
+        """Seal and release the writer; reads through this object stay possible until GC."""
+        with self._lock:
+            try:
+                self._writer.close()
+            except OSError as error:
+                raise posix.storage_error(error, "closing the writer") from error
+            finally:
+                for session in self._sessions:
+                    session.close()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _session(self) -> ReadSession:
+        session: ReadSession | None = getattr(self._local, "session", None)
+        if session is None:
+            session = ReadSession(self.backend, self.run_id)
+            self._local.session = session
+            self._sessions.append(session)
+        return session
+
+    @contextlib.contextmanager
+    def read_session(self) -> Iterator[ReadSession]:
+        """A reader that caches open packs and parsed indices across reads (not a pin)."""
+        session = ReadSession(self.backend, self.run_id)
+        try:
+            yield session
+        finally:
+            session.close()
+
+    def read(self, ref: RecordSetRef) -> Iterator[Record]:
+        return self._session().read(ref)
+
+    def read_record(self, ref: RecordRef) -> Record:
+        return self._session().read_record(ref)
+
+    def manifest(self, ref: RecordSetRef) -> dict[str, Any]:
+        return self._session().manifest(ref)
+
+    def validate(
+        self, ref: RecordSetRef, *, task_id: str | None = None, attempt_id: str | None = None
+    ) -> tuple[RecordRef, ...]:
+        return self._session().validate(ref, task_id=task_id, attempt_id=attempt_id)
+
+    def envelope(self, ref: RecordRef) -> dict[str, Any]:
+        return self._session().envelope(ref)
+
+    def read_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
+        return self._session().read_range(ref, start, stop)
+
+
+invariant(frame.MANIFEST_CODEC.startswith("straw."), "internal codecs live in the reserved namespace")

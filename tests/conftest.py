@@ -1,0 +1,93 @@
+"""Shared pytest fixtures.
+
+JuiceFS (real two-client FUSE mount, see ``tests/juicefs_mount.py``):
+
+* ``juicefs_clients`` (session): a :class:`juicefs_mount.JuiceFSClients` with ``.a`` / ``.b``
+  (mount points of two independent clients of one volume), ``.meta_url`` and ``.declaration``
+  (the straw ``juicefs`` backend profile for this setup).
+* ``juicefs_pool`` (function): ``(path_on_a, path_on_b)`` of a fresh ``tests-<uuid>`` directory
+  created through client A and already visible through client B; removed afterwards.
+
+Mark tests using them ``@pytest.mark.juicefs``. Environment switch ``STRAW_JUICEFS``:
+unset/anything else = use JuiceFS when possible, skip with the reason otherwise;
+``0`` = always skip; ``require`` = a missing JuiceFS/FUSE is a test failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
+
+import pytest
+
+
+def _load_juicefs_mount() -> ModuleType:
+    """Import tests/juicefs_mount.py whatever pytest's import mode (it is not a package)."""
+    name = "juicefs_mount"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("juicefs_mount.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+juicefs_mount = _load_juicefs_mount()
+
+#: Bound on how long a directory created through A may take to show up through B.
+_POOL_VISIBILITY_TIMEOUT_S = 10.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also registered in pyproject.toml; repeated here so this file works on its own.
+    config.addinivalue_line("markers", "juicefs: needs a real JuiceFS FUSE mount (two clients)")
+
+
+def _juicefs_mode() -> str:
+    return os.environ.get("STRAW_JUICEFS", "").strip().lower()
+
+
+def _juicefs_unavailable(reason: str) -> NoReturn:
+    if _juicefs_mode() == "require":
+        pytest.fail(f"STRAW_JUICEFS=require but JuiceFS is unavailable: {reason}", pytrace=False)
+    pytest.skip(f"JuiceFS unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def juicefs_clients() -> Iterator[juicefs_mount.JuiceFSClients]:
+    """Two independent JuiceFS clients (``.a``, ``.b``) of one fresh volume, for the session."""
+    if _juicefs_mode() in {"0", "off", "false", "no"}:
+        pytest.skip("JuiceFS tests disabled by STRAW_JUICEFS=0")
+    pair = juicefs_mount.JuiceFSPair()
+    try:
+        pair.start()
+    except juicefs_mount.JuiceFSUnavailable as exc:
+        _juicefs_unavailable(exc.reason)
+    try:
+        yield pair.clients()
+    finally:
+        pair.close()
+
+
+@pytest.fixture
+def juicefs_pool(juicefs_clients: juicefs_mount.JuiceFSClients) -> Iterator[tuple[Path, Path]]:
+    """A fresh empty directory, as ``(path_on_a, path_on_b)``; created through A, visible on B."""
+    name = f"tests-{uuid.uuid4().hex}"
+    on_a = juicefs_clients.a / name
+    on_b = juicefs_clients.b / name
+    on_a.mkdir()
+    if not juicefs_mount.wait_until(on_b.is_dir, _POOL_VISIBILITY_TIMEOUT_S):
+        pytest.fail(f"{on_a} created through client A is not visible as {on_b} through client B")
+    try:
+        yield on_a, on_b
+    finally:
+        shutil.rmtree(on_a, ignore_errors=True)
