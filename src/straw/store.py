@@ -15,9 +15,9 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import xxhash
 
@@ -57,6 +57,7 @@ __all__ = ["POOL_MARKER", "ReadSession", "SharedFilesystemStore"]
 POOL_MARKER = "straw-pool.json"
 POOL_FORMAT = {"format": "straw-pool", "version": frame.FORMAT_VERSION}
 RUN_ID_BYTES_MAX = 256
+R = TypeVar("R")
 
 
 # --------------------------------------------------------------------------- logical identity
@@ -64,9 +65,7 @@ RUN_ID_BYTES_MAX = 256
 
 def logical_digest(entries: Sequence[frame.IndexEntry | Entry], dependency_digests: Sequence[str]) -> str:
     """The layout-independent identity of a record set (docs/FORMAT.md section "Logical digest")."""
-    records = [
-        [e.record_id, e.codec, e.metadata, e.tokens, _length(e), e.content] for e in entries
-    ]
+    records = [[e.record_id, e.codec, e.metadata, e.tokens, _length(e), e.content] for e in entries]
     return digest({"v": frame.FORMAT_VERSION, "records": records, "deps": list(dependency_digests)})
 
 
@@ -123,7 +122,9 @@ class ReadSession:
         index = self._reader.index(ref.segment)
         ordinal = ref.ordinal
         if not isinstance(ordinal, int) or isinstance(ordinal, bool) or not 0 <= ordinal < len(index.entries):
-            raise InvalidReference(f"record ordinal {ordinal!r} is not in an extent of {len(index.entries)} records")
+            raise InvalidReference(
+                f"record ordinal {ordinal!r} is not in an extent of {len(index.entries)} records"
+            )
         return _Located(ref.segment, ordinal, index.entries[ordinal], index.chunk_bytes)
 
     def resolve(self, ref: RecordSetRef) -> _Resolved:
@@ -135,7 +136,9 @@ class ReadSession:
             raise InvalidReference(f"record {top.entry.record_id!r} is not a manifest")
         manifest = frame.parse_manifest(decode(self._reader.payload(top.segment, top.entry, top.chunk)))
         if manifest.digest != ref.digest:
-            raise InvalidReference("the reference's digest does not match the manifest it points to (forged or stale)")
+            raise InvalidReference(
+                "the reference's digest does not match the manifest it points to (forged or stale)"
+            )
         segments = [self._segment(s) for s in manifest.segments]
         records = []
         for seg_index, ordinal in manifest.records:
@@ -304,7 +307,9 @@ class SharedFilesystemStore:
         if backend is None:
             backend = FilesystemBackend(root)
         elif os.path.abspath(os.fspath(root)) != str(backend.root):
-            raise ValueError(f"root {os.fspath(root)!r} differs from the backend's root {str(backend.root)!r}")
+            raise ValueError(
+                f"root {os.fspath(root)!r} differs from the backend's root {str(backend.root)!r}"
+            )
         self.backend = backend
         self.codecs = self._check_codecs(codecs)
         for name, value in (("max_record_bytes", max_record_bytes), ("max_buffer_bytes", max_buffer_bytes)):
@@ -325,10 +330,17 @@ class SharedFilesystemStore:
         self._pending: _Pending | None = None
         self._local = threading.local()
         self._sessions: list[ReadSession] = []
-        self._counts = {"payload_bytes": 0, "records": 0, "publications": 0, "writes": 0, "idempotent_hits": 0}
+        self._counts = {
+            "payload_bytes": 0,
+            "records": 0,
+            "publications": 0,
+            "writes": 0,
+            "idempotent_hits": 0,
+        }
 
     def __repr__(self) -> str:
-        return f"SharedFilesystemStore({str(self.backend.root)!r}, run_id={self.run_id!r}, writer={self.writer_id})"
+        root = str(self.backend.root)
+        return f"SharedFilesystemStore({root!r}, run_id={self.run_id!r}, writer={self.writer_id})"
 
     @staticmethod
     def _check_codecs(codecs: Iterable[str]) -> tuple[str, ...]:
@@ -351,7 +363,9 @@ class SharedFilesystemStore:
             os.makedirs(os.path.dirname(root), exist_ok=True)
             durable.make_dirs(root, os.path.dirname(root), self.backend.sync_dir)
             if not os.path.exists(marker):
-                durable.create_file(marker, [encode(POOL_FORMAT)], self.backend.sync_file, self.backend.sync_dir)
+                durable.create_file(
+                    marker, [encode(POOL_FORMAT)], self.backend.sync_file, self.backend.sync_dir
+                )
             with open(marker, "rb") as handle:
                 found = decode(handle.read(4096))
             durable.make_dirs(os.path.join(root, "raw"), root, self.backend.sync_dir)
@@ -391,9 +405,11 @@ class SharedFilesystemStore:
         for dep in publication.dependencies:
             if not isinstance(dep, RecordSetRef):
                 raise TypeError(f"publish dependencies must be RecordSetRef, got {type(dep).__name__}")
-        return self._publish("publish", [publication], submission_id)[0]  # type: ignore[no-any-return]
+        return self._publish("publish", [publication], submission_id)[0]
 
-    def publish_many(self, publications: Iterable[Publication], *, submission_id: str) -> tuple[RecordSetRef, ...]:
+    def publish_many(
+        self, publications: Iterable[Publication], *, submission_id: str
+    ) -> tuple[RecordSetRef, ...]:
         """Many logical record sets in one durable write."""
         return tuple(self._publish("publish_many", list(publications), submission_id))
 
@@ -407,7 +423,7 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> tuple[RecordRef, ...]:
             return tuple(RecordRef(segment, i) for i in range(len(entries)))
 
-        return self._commit("write_records", submission_id, fingerprint, entries, result)  # type: ignore[no-any-return]
+        return self._commit("write_records", submission_id, fingerprint, entries, result)
 
     def record_set(
         self, refs: Iterable[RecordRef], *, submission_id: str, dependencies: Iterable[RecordSetRef] = ()
@@ -437,7 +453,7 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> RecordSetRef:
             return RecordSetRef(RecordRef(segment, 0), set_digest, len(entries), payload, tokens)
 
-        return self._commit("record_set", submission_id, set_digest, [manifest_entry], result)  # type: ignore[no-any-return]
+        return self._commit("record_set", submission_id, set_digest, [manifest_entry], result)
 
     # -- writing: machinery -------------------------------------------------------------
 
@@ -465,11 +481,14 @@ class SharedFilesystemStore:
             )
         tokens = record.tokens
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= TOKENS_MAX:
-            raise ValueError(f"record {record_id!r}: tokens must be a non-negative 64-bit integer, got {tokens!r}")
+            raise ValueError(
+                f"record {record_id!r}: tokens must be a non-negative 64-bit integer, got {tokens!r}"
+            )
         view = _flat_view(record.payload, record_id)
         if view.nbytes > self.max_record_bytes:
             raise ResourceLimitExceeded(
-                f"record {record_id!r}: payload of {view.nbytes} bytes exceeds max_record_bytes={self.max_record_bytes}"
+                f"record {record_id!r}: payload of {view.nbytes} bytes exceeds "
+                f"max_record_bytes={self.max_record_bytes}"
             )
         content = xxhash.xxh3_128_hexdigest(view)
         return Entry(record_id, record.codec, metadata, tokens, view, content, frame.chunk_checksums(view))
@@ -478,7 +497,13 @@ class SharedFilesystemStore:
         body = encode(frame.manifest_body(manifest))
         view = memoryview(body)
         return Entry(
-            record_id, frame.MANIFEST_CODEC, {}, 0, view, xxhash.xxh3_128_hexdigest(view), frame.chunk_checksums(view)
+            record_id,
+            frame.MANIFEST_CODEC,
+            {},
+            0,
+            view,
+            xxhash.xxh3_128_hexdigest(view),
+            frame.chunk_checksums(view),
         )
 
     def _external_dependencies(self, dependencies: list[RecordSetRef]) -> list[dict[str, Any]]:
@@ -517,27 +542,45 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> list[RecordSetRef]:
             return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]
 
-        return self._commit(kind, submission_id, fingerprint, entries, result)  # type: ignore[no-any-return]
+        return self._commit(kind, submission_id, fingerprint, entries, result)
 
     def _publication_dependencies(
-        self, dependencies: Sequence[RecordSetRef | int], number: int, earlier: list[tuple[int, str, int, int, int]]
+        self,
+        dependencies: Sequence[RecordSetRef | int],
+        number: int,
+        earlier: list[tuple[int, str, int, int, int]],
     ) -> list[dict[str, Any]]:
         external = [d for d in dependencies if not isinstance(d, int)]
-        resolved = iter(self._external_dependencies(external))  # type: ignore[arg-type]
+        resolved = iter(self._external_dependencies(external))
         out = []
         for dep in dependencies:
             if isinstance(dep, bool) or not isinstance(dep, int):
                 out.append(next(resolved))
                 continue
             if not 0 <= dep < number:
-                raise ValueError(f"publication {number}: int dependency {dep} must name an earlier publication")
+                raise ValueError(
+                    f"publication {number}: int dependency {dep} must name an earlier publication"
+                )
             ordinal, set_digest, records, payload, tokens = earlier[dep]
             out.append(
-                {"digest": set_digest, "self": ordinal, "records": records, "payload_bytes": payload, "tokens": tokens}
+                {
+                    "digest": set_digest,
+                    "self": ordinal,
+                    "records": records,
+                    "payload_bytes": payload,
+                    "tokens": tokens,
+                }
             )
         return out
 
-    def _commit(self, kind: str, submission_id: str, fingerprint: str, entries: list[Entry], result: Any) -> Any:
+    def _commit(
+        self,
+        kind: str,
+        submission_id: str,
+        fingerprint: str,
+        entries: list[Entry],
+        result: Callable[[SegmentRef], R],
+    ) -> R:
         """Idempotency, uncertainty and the durable write of one extent (D1/D2, I4/I5)."""
         remembered = _Remembered(kind, fingerprint, None)
         with self._lock:
@@ -548,10 +591,10 @@ class SharedFilesystemStore:
                         f"submission {submission_id!r} was already used for different content; use a new id"
                     )
                 self._counts["idempotent_hits"] += 1
-                return known.result
+                return cast(R, known.result)
             pending = self._pending
             if pending is not None:
-                return self._resolve_pending(pending, submission_id, remembered)
+                return cast(R, self._resolve_pending(pending, submission_id, remembered))
             try:
                 segment = self._writer.write(entries, submission_id)
             except CommitUncertain as uncertain:
@@ -588,7 +631,7 @@ class SharedFilesystemStore:
         known = pending.remembered
         if (known.kind, known.fingerprint) != (attempt.kind, attempt.fingerprint):
             raise IdempotencyConflict(
-                f"submission {submission_id!r} is being retried with different content than its uncertain write"
+                f"submission {submission_id!r} is retried with other content than its uncertain write"
             )
         if pending.dir_sync is not None:
             try:

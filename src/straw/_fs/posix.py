@@ -6,6 +6,7 @@ sync counters (``straw.backend``) and decide ordering (docs/DURABILITY.md).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -24,7 +25,9 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 def storage_error(error: OSError, what: str) -> StorageUnavailable:
     """Translate an OS error into straw's tree, keeping the OS text."""
     cls = QuotaExceeded if error.errno in _QUOTA_ERRNOS else StorageUnavailable
-    hint = "free space or raise the quota, then retry" if cls is QuotaExceeded else "check the mount, then retry"
+    hint = (
+        "free space or raise the quota, then retry" if cls is QuotaExceeded else "check the mount, then retry"
+    )
     reason = error.strerror or str(error)
     result = cls(f"{what} failed: [Errno {error.errno}] {reason} ({hint})")
     result.__cause__ = error
@@ -45,10 +48,8 @@ def open_append(path: str) -> int:
 
 
 def close_quietly(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
@@ -152,10 +153,8 @@ def link_new(source: str, target: str) -> bool:
 
 
 def unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def mkdir_new(path: str) -> bool:

@@ -73,7 +73,13 @@ def run_tag(run_id: str) -> bytes:
 
 def encode_pack_header(run_id: str, segment_id: str, created_ns: int, flags: int = 0) -> bytes:
     head = PACK_HEADER.pack(
-        PACK_MAGIC, FORMAT_VERSION, flags, PACK_HEADER_BYTES, run_tag(run_id), bytes.fromhex(segment_id), created_ns
+        PACK_MAGIC,
+        FORMAT_VERSION,
+        flags,
+        PACK_HEADER_BYTES,
+        run_tag(run_id),
+        bytes.fromhex(segment_id),
+        created_ns,
     )
     return head + xxhash.xxh3_64_digest(head)
 
@@ -88,7 +94,9 @@ def decode_pack_header(data: bytes | bytearray | memoryview) -> PackHeader:
     if xxhash.xxh3_64_digest(head) != bytes(data[PACK_HEADER.size : PACK_HEADER_BYTES]):
         raise CorruptData("pack header checksum mismatch")
     if version != FORMAT_VERSION:
-        raise UnsupportedSchema(f"pack format version {version} is not supported (this straw reads {FORMAT_VERSION})")
+        raise UnsupportedSchema(
+            f"pack format version {version} is not supported (this straw reads {FORMAT_VERSION})"
+        )
     if length != PACK_HEADER_BYTES:
         raise CorruptData(f"pack header length {length} != {PACK_HEADER_BYTES}")
     return PackHeader(version, flags, tag, segment.hex(), created)
@@ -138,7 +146,9 @@ def decode_json_frame(data: bytes | bytearray | memoryview, kind: int, expected_
     if header.kind != kind:
         raise CorruptData(f"frame kind {header.kind} where kind {kind} was expected")
     if header.body_bytes != len(data) - FRAME_HEADER_BYTES:
-        raise CorruptData(f"frame body is {len(data) - FRAME_HEADER_BYTES} bytes, header says {header.body_bytes}")
+        raise CorruptData(
+            f"frame body is {len(data) - FRAME_HEADER_BYTES} bytes, header says {header.body_bytes}"
+        )
     if header.body_bytes > INDEX_BYTES_MAX:
         raise CorruptData(f"frame body of {header.body_bytes} bytes exceeds INDEX_BYTES_MAX")
     body = memoryview(data)[FRAME_HEADER_BYTES:]
@@ -211,7 +221,9 @@ def _version(body: object, what: str) -> Mapping[str, Any]:
     if not isinstance(version, int) or isinstance(version, bool):
         raise CorruptData(f"{what} has no version")
     if version != FORMAT_VERSION:
-        raise UnsupportedSchema(f"{what} version {version} is not supported (this straw reads {FORMAT_VERSION})")
+        raise UnsupportedSchema(
+            f"{what} version {version} is not supported (this straw reads {FORMAT_VERSION})"
+        )
     return body
 
 
@@ -245,7 +257,8 @@ def _parse_entry(item: object, chunk: int) -> IndexEntry:
     if not _HEX32.fullmatch(entry.content):
         raise CorruptData(f"index record {entry.record_id!r}: malformed content hash")
     if len(entry.chunks) != 16 * chunk_count(entry.length, chunk) or (
-        entry.chunks and not all(_HEX16.fullmatch(entry.chunks, i, i + 16) for i in range(0, len(entry.chunks), 16))
+        entry.chunks
+        and not all(_HEX16.fullmatch(entry.chunks, i, i + 16) for i in range(0, len(entry.chunks), 16))
     ):
         raise CorruptData(f"index record {entry.record_id!r}: chunk checksum table does not match its length")
     return entry

@@ -39,7 +39,9 @@ T = TypeVar("T")
 
 def _checked(data: Data, size: int, offset: int, relative: str, check: Callable[[Data], T]) -> T:
     if len(data) != size:
-        raise CorruptData(f"truncated: {relative} ends before byte {offset + size} (read {len(data)} of {size})")
+        raise CorruptData(
+            f"truncated: {relative} ends before byte {offset + size} (read {len(data)} of {size})"
+        )
     return check(data)
 
 
@@ -77,7 +79,9 @@ class PackReader:
         match = _PATH.fullmatch(segment.path) if isinstance(segment.path, str) else None
         if match is None:
             self.backend.resolve(segment.path)  # names the unsafe part when there is one
-            raise InvalidReference(f"path {segment.path!r} is not a straw pack path (raw/<writer>/<segment>.pack)")
+            raise InvalidReference(
+                f"path {segment.path!r} is not a straw pack path (raw/<writer>/<segment>.pack)"
+            )
         if match.group(2) != segment.segment_id:
             raise InvalidReference(f"segment id {segment.segment_id!r} does not match path {segment.path!r}")
         for name in ("offset", "size"):
@@ -134,7 +138,9 @@ class PackReader:
         except OSError as error:
             raise posix.storage_error(error, f"reading {relative}") from error
 
-    def _verified(self, relative: str, segment_id: str, size: int, offset: int, check: Callable[[Data], T]) -> T:
+    def _verified(
+        self, relative: str, segment_id: str, size: int, offset: int, check: Callable[[Data], T]
+    ) -> T:
         """Read and check ``size`` bytes; on a short or bad read retry once on a fresh descriptor."""
         handle = self._open(relative, segment_id)
         data = self._pread(handle.fd, size, offset, relative)

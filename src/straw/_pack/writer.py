@@ -63,7 +63,9 @@ class _OpenPack:
 class PackWriter:
     """Appends extents to this incarnation's current pack, rotating by size."""
 
-    def __init__(self, backend: FilesystemBackend, run_id: str, writer_id: str, segment_target_bytes: int) -> None:
+    def __init__(
+        self, backend: FilesystemBackend, run_id: str, writer_id: str, segment_target_bytes: int
+    ) -> None:
         invariant(segment_target_bytes >= 0, "segment target is non-negative")
         self.backend = backend
         self.run_id = run_id
@@ -150,11 +152,20 @@ class PackWriter:
             position += frame.FRAME_HEADER_BYTES
             placed.append(
                 frame.IndexEntry(
-                    e.record_id, e.codec, e.metadata, e.tokens, position, e.payload.nbytes, e.content, e.chunks
+                    e.record_id,
+                    e.codec,
+                    e.metadata,
+                    e.tokens,
+                    position,
+                    e.payload.nbytes,
+                    e.content,
+                    e.chunks,
                 )
             )
             position += e.payload.nbytes
-        head, body, sum_hex = frame.encode_json_frame(frame.KIND_INDEX, frame.index_body(submission_id, placed))
+        head, body, sum_hex = frame.encode_json_frame(
+            frame.KIND_INDEX, frame.index_body(submission_id, placed)
+        )
         buffers += [head, body]
         return buffers, position, len(head) + len(body), sum_hex
 
@@ -193,7 +204,9 @@ class PackWriter:
             raise CommitUncertain(segment, None, error) from error
         return segment
 
-    def _write_new_file(self, entries: Sequence[Entry], submission_id: str, *, standalone: bool) -> SegmentRef:
+    def _write_new_file(
+        self, entries: Sequence[Entry], submission_id: str, *, standalone: bool
+    ) -> SegmentRef:
         """D2: write the first extent of a new pack to a temporary name, sync, rename, sync dir."""
         root = str(self.backend.root)
         directory = os.path.join(root, self.directory)
