@@ -134,7 +134,10 @@ class ReadSession:
         top = self.locate(ref.manifest)
         if top.entry.codec != frame.MANIFEST_CODEC:
             raise InvalidReference(f"record {top.entry.record_id!r} is not a manifest")
-        manifest = frame.parse_manifest(decode(self._reader.payload(top.segment, top.entry, top.chunk)))
+        body = top.entry.inline
+        if body is None:
+            body = decode(self._reader.payload(top.segment, top.entry, top.chunk))
+        manifest = frame.parse_manifest(body)
         if manifest.digest != ref.digest:
             raise InvalidReference(
                 "the reference's digest does not match the manifest it points to (forged or stale)"
@@ -225,12 +228,13 @@ class ReadSession:
         """A record's verified description without its payload."""
         located = self.locate(ref)
         e = located.entry
+        length = len(encode(e.inline)) if e.inline is not None else e.length
         return {
             "record_id": e.record_id,
             "codec": e.codec,
             "metadata": dict(e.metadata),
             "tokens": e.tokens,
-            "payload_bytes": e.length,
+            "payload_bytes": length,
             "checksum": e.content,
             "chunk_bytes": located.chunk,
         }
@@ -494,17 +498,8 @@ class SharedFilesystemStore:
         return Entry(record_id, record.codec, metadata, tokens, view, content, frame.chunk_checksums(view))
 
     def _manifest_entry(self, manifest: frame.Manifest, record_id: str) -> Entry:
-        body = encode(frame.manifest_body(manifest))
-        view = memoryview(body)
-        return Entry(
-            record_id,
-            frame.MANIFEST_CODEC,
-            {},
-            0,
-            view,
-            xxhash.xxh3_128_hexdigest(view),
-            frame.chunk_checksums(view),
-        )
+        empty = memoryview(b"")
+        return Entry(record_id, frame.MANIFEST_CODEC, {}, 0, empty, "", "", frame.manifest_body(manifest))
 
     def _external_dependencies(self, dependencies: list[RecordSetRef]) -> list[dict[str, Any]]:
         """Verify dependencies outside this call; their manifests must exist and match (I1)."""

@@ -33,7 +33,7 @@ KIND_SEAL = 3
 KINDS = (KIND_RECORD, KIND_INDEX, KIND_SEAL)
 
 MANIFEST_CODEC = "straw.manifest.v1"
-_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX = re.compile(r"[0-9a-f]*")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 
 invariant(PACK_HEADER_BYTES == 64, "pack header is 64 bytes")
@@ -175,6 +175,8 @@ class IndexEntry:
     length: int
     content: str
     chunks: str
+    #: A manifest stored inside the index instead of a record frame (FORMAT.md "Inline manifests").
+    inline: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,20 +193,32 @@ def index_body(submission_id: str, entries: Sequence[IndexEntry], chunk: int = C
         "v": FORMAT_VERSION,
         "sub": submission_id,
         "chunk": chunk,
-        "records": [
-            {
-                "id": e.record_id,
-                "codec": e.codec,
-                "meta": e.metadata,
-                "tokens": e.tokens,
-                "off": e.offset,
-                "len": e.length,
-                "hash": e.content,
-                "chunks": e.chunks,
-            }
-            for e in entries
-        ],
+        "records": [_entry_body(e) for e in entries],
     }
+
+
+def _entry_body(e: IndexEntry) -> dict[str, Any]:
+    if e.inline is not None:
+        return {"id": e.record_id, "codec": e.codec, "inline": e.inline}
+    return {
+        "id": e.record_id,
+        "codec": e.codec,
+        "meta": e.metadata,
+        "tokens": e.tokens,
+        "off": e.offset,
+        "len": e.length,
+        "hash": e.content,
+        "chunks": e.chunks,
+    }
+
+
+def inline_entry(record_id: str, body: dict[str, Any]) -> IndexEntry:
+    """An index entry carrying a manifest inline; its payload is the canonical encoding of ``body``.
+
+    Length and content hash are left at zero and empty: the index digest already
+    covers the body, and nothing reads them for inline entries.
+    """
+    return IndexEntry(record_id, MANIFEST_CODEC, {}, 0, 0, 0, "", "", body)
 
 
 def _get(mapping: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
@@ -239,29 +253,34 @@ def parse_index(body: object) -> Index:
 
 
 def _parse_entry(item: object, chunk: int) -> IndexEntry:
-    if not isinstance(item, Mapping):
+    if type(item) is not dict:
         raise CorruptData("index record is not an object")
-    what = "index record"
-    entry = IndexEntry(
-        record_id=_get(item, "id", str, what),
-        codec=_get(item, "codec", str, what),
-        metadata=_get(item, "meta", dict, what),
-        tokens=_get(item, "tokens", int, what),
-        offset=_get(item, "off", int, what),
-        length=_get(item, "len", int, what),
-        content=_get(item, "hash", str, what),
-        chunks=_get(item, "chunks", str, what),
-    )
-    if min(entry.tokens, entry.offset, entry.length) < 0 or entry.offset + entry.length > PACK_BYTES_MAX:
-        raise CorruptData(f"index record {entry.record_id!r}: negative or oversized field")
-    if not _HEX32.fullmatch(entry.content):
-        raise CorruptData(f"index record {entry.record_id!r}: malformed content hash")
-    if len(entry.chunks) != 16 * chunk_count(entry.length, chunk) or (
-        entry.chunks
-        and not all(_HEX16.fullmatch(entry.chunks, i, i + 16) for i in range(0, len(entry.chunks), 16))
+    record_id, codec = item.get("id"), item.get("codec")
+    if type(record_id) is not str or type(codec) is not str:
+        raise CorruptData("index record without id or codec")
+    inline = item.get("inline")
+    if inline is not None:
+        if codec != MANIFEST_CODEC or type(inline) is not dict:
+            raise CorruptData(f"index record {record_id!r}: only manifests are stored inline")
+        return inline_entry(record_id, inline)
+    meta, tokens, offset, length = item.get("meta"), item.get("tokens"), item.get("off"), item.get("len")
+    content, chunks = item.get("hash"), item.get("chunks")
+    if (
+        type(meta) is not dict
+        or type(tokens) is not int
+        or type(offset) is not int
+        or type(length) is not int
+        or type(content) is not str
+        or type(chunks) is not str
     ):
-        raise CorruptData(f"index record {entry.record_id!r}: chunk checksum table does not match its length")
-    return entry
+        raise CorruptData(f"index record {record_id!r}: a field is missing or has the wrong type")
+    if min(tokens, offset, length) < 0 or offset + length > PACK_BYTES_MAX:
+        raise CorruptData(f"index record {record_id!r}: negative or oversized field")
+    if not _HEX32.fullmatch(content):
+        raise CorruptData(f"index record {record_id!r}: malformed content hash")
+    if len(chunks) != 16 * chunk_count(length, chunk) or not _HEX.fullmatch(chunks):
+        raise CorruptData(f"index record {record_id!r}: chunk checksum table does not match its length")
+    return IndexEntry(record_id, codec, meta, tokens, offset, length, content, chunks)
 
 
 # --------------------------------------------------------------------------- manifest

@@ -35,6 +35,8 @@ class Entry:
     payload: memoryview
     content: str
     chunks: str
+    #: A manifest body kept inside the index frame (no record frame is written).
+    inline: dict[str, object] | None = None
 
 
 class CommitUncertain(Exception):
@@ -147,6 +149,9 @@ class PackWriter:
         placed: list[frame.IndexEntry] = []
         position = start
         for e in entries:
+            if e.inline is not None:
+                placed.append(frame.inline_entry(e.record_id, e.inline))
+                continue
             buffers.append(frame.encode_frame_header(frame.KIND_RECORD, e.payload.nbytes, e.content))
             buffers.append(e.payload)
             position += frame.FRAME_HEADER_BYTES
