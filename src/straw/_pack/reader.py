@@ -20,7 +20,7 @@ from .._fs import posix
 from ..backend import FilesystemBackend
 from ..errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from ..limits import INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MAX
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
 from . import frame
 
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
@@ -182,7 +182,7 @@ class PackReader:
             return data
 
         if entry.inline is not None:
-            return frame.encode(entry.inline)
+            return encode(entry.inline)
         if entry.length == 0:
             return b""
         return self._verified(segment.path, segment.segment_id, entry.length, entry.offset, check)
@@ -196,7 +196,7 @@ class PackReader:
         if start == stop:
             return memoryview(b"")
         if entry.inline is not None:
-            return memoryview(frame.encode(entry.inline))[start:stop]
+            return memoryview(encode(entry.inline))[start:stop]
         first = start // chunk
         last = (stop - 1) // chunk
         lo = first * chunk
