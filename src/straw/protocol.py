@@ -67,11 +67,18 @@ def _reject_constant(name: str) -> Any:
     raise CorruptData(f"canonical JSON never contains {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise CorruptData(f"canonical JSON never contains a number that overflows ({text[:40]})")
+    return value
+
+
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """Reverse :func:`encode`; any invalid input raises :class:`CorruptData`."""
     try:
         text = bytes(data).decode("utf-8")
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise CorruptData(f"invalid canonical JSON: {error}") from None
 

@@ -545,6 +545,9 @@ class SharedFilesystemStore:
         number: int,
         earlier: list[tuple[int, str, int, int, int]],
     ) -> list[dict[str, Any]]:
+        for dep in dependencies:
+            if isinstance(dep, bool) or not isinstance(dep, (int, RecordSetRef)):
+                raise TypeError(f"a dependency is a RecordSetRef or an int, got {type(dep).__name__}")
         external = [d for d in dependencies if not isinstance(d, int)]
         resolved = iter(self._external_dependencies(external))
         out = []

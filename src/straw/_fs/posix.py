@@ -152,6 +152,15 @@ def link_new(source: str, target: str) -> bool:
     return True
 
 
+def truncate(fd: int, size: int) -> None:
+    """Cut a file to ``size`` bytes (the caller syncs it)."""
+    os.ftruncate(fd, size)
+
+
+def unlink(path: str) -> None:
+    os.unlink(path)
+
+
 def unlink_quietly(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)

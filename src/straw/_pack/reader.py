@@ -191,12 +191,15 @@ class PackReader:
         self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int, start: int, stop: int
     ) -> memoryview:
         """Bytes ``start:stop`` of a payload, reading and verifying only the chunks they touch."""
+        if entry.inline is not None:
+            data = encode(entry.inline)
+            if not 0 <= start <= stop <= len(data):
+                raise ValueError(f"range {start}:{stop} outside a payload of {len(data)} bytes")
+            return memoryview(data)[start:stop]
         if not 0 <= start <= stop <= entry.length:
             raise ValueError(f"range {start}:{stop} outside a payload of {entry.length} bytes")
         if start == stop:
             return memoryview(b"")
-        if entry.inline is not None:
-            return memoryview(encode(entry.inline))[start:stop]
         first = start // chunk
         last = (stop - 1) // chunk
         lo = first * chunk

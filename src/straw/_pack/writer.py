@@ -92,15 +92,16 @@ class PackWriter:
         self.backend.fault("before_publish")
         if self.segment_target_bytes == 0:
             return self._write_new_file(entries, submission_id, standalone=True)
-        estimate = frame.FRAME_HEADER_BYTES * (len(entries) + 1) + sum(e.payload.nbytes for e in entries)
         pack = self._pack
-        if pack is not None and pack.extents and pack.size + estimate > self.segment_target_bytes:
+        if pack is not None:
+            layout = self._layout(entries, submission_id, pack.size)
+            extent_end = layout[1] + layout[2]
+            # D3: rotate before crossing the target, unless the pack is empty (a big extent stays whole).
+            if not pack.extents or extent_end <= self.segment_target_bytes:
+                return self._append(pack, layout)
             self.backend.fault("before_rotate")
             self.seal()
-            pack = None
-        if pack is None:
-            return self._write_new_file(entries, submission_id, standalone=False)
-        return self._append(pack, entries, submission_id)
+        return self._write_new_file(entries, submission_id, standalone=False)
 
     def seal(self) -> None:
         """D4: append a seal frame to the current pack, sync it, and stop appending there."""
@@ -186,8 +187,8 @@ class PackWriter:
             offset=offset,
         )
 
-    def _append(self, pack: _OpenPack, entries: Sequence[Entry], submission_id: str) -> SegmentRef:
-        buffers, index_offset, index_size, sum_hex = self._layout(entries, submission_id, pack.size)
+    def _append(self, pack: _OpenPack, layout: tuple[list[posix.Buffer], int, int, str]) -> SegmentRef:
+        buffers, index_offset, index_size, sum_hex = layout
         segment = self._segment(pack.relative, pack.segment_id, index_offset, index_size, sum_hex)
         try:
             self.backend.fault("before_data_write")
