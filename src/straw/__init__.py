@@ -6,10 +6,12 @@ from here or from their modules (``straw.store``, ``straw.protocol``, ...).
 
 from __future__ import annotations
 
+from .coordinator import Coordinator
 from .protocol import Limits, Publication, Record, RecordRef, RecordSetRef, SegmentRef, TaskSpec
 from .store import SharedFilesystemStore
 
 __all__ = [
+    "Coordinator",
     "Limits",
     "Publication",
     "Record",

@@ -98,3 +98,16 @@ invariant(RECORD_BYTES_MAX < PACK_BYTES_MAX, "a record fits in a pack")
 invariant(METADATA_BYTES_MAX < INDEX_BYTES_MAX, "one record's metadata fits an index")
 invariant(RECORD_BYTES_MAX // CHUNK_BYTES * 16 < INDEX_BYTES_MAX, "chunk table of the largest record fits")
 invariant(sum(VISIBILITY_RETRY_DELAYS) < 10, "a read never waits more than a few seconds")
+
+# Queue journal ----------------------------------------------------------------
+
+#: Journal bytes written since the last snapshot before the coordinator writes a
+#: new one. The real threshold is the larger of this and the last snapshot's
+#: size, so snapshot work stays proportional to journal work (each journal byte
+#: is copied into a snapshot at most about once).
+JOURNAL_SNAPSHOT_BYTES_MIN = 64 * MiB
+
+#: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
+QUEUE_ID_BYTES_MAX = 1 * KiB
+
+invariant(1 * MiB <= JOURNAL_SNAPSHOT_BYTES_MIN, "snapshots are not taken after every few calls")

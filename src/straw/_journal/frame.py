@@ -1,0 +1,153 @@
+"""Pure encoding of journal segments and frames, and the recovery decision table.
+
+docs/FORMAT.md section 9 is the normative description. A journal is a sequence
+of segments; each segment starts with a 64-byte segment header and holds
+frames numbered by a global sequence and chained by xxh3-128:
+``chain(n) = xxh3_128(chain(n-1) || body_digest(n))``. A snapshot file has the
+same header (magic ``SJSN``) followed by one frame holding the queue state.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import CorruptData, UnsupportedSchema, invariant
+
+JOURNAL_VERSION = 1
+SEGMENT_MAGIC = b"SJSG"
+SNAPSHOT_MAGIC = b"SJSN"
+FRAME_MAGIC = b"SJFR"
+
+_SEGMENT = struct.Struct("<4sHHQ16s16s8x")  # + xxh3-64 of the first 56 bytes
+_FRAME = struct.Struct("<4sHHQQ16s16s")  # + xxh3-64 of the first 56 bytes
+SEGMENT_HEADER_BYTES = _SEGMENT.size + 8
+FRAME_HEADER_BYTES = _FRAME.size + 8
+
+#: Largest frame body a reader accepts (a transaction or a snapshot).
+FRAME_BODY_BYTES_MAX = 4 * 1024**3
+
+invariant(SEGMENT_HEADER_BYTES == 64 and FRAME_HEADER_BYTES == 64, "journal headers are 64 bytes")
+
+
+def identity_tag(run_id: str, queue_id: str) -> bytes:
+    """16 bytes naming the queue a journal belongs to."""
+    return xxhash.xxh3_128_digest(f"straw-queue\x00{run_id}\x00{queue_id}".encode())
+
+
+def genesis_chain(tag: bytes) -> bytes:
+    """The chain value before the first frame of a queue."""
+    return xxhash.xxh3_128_digest(b"straw-journal-genesis" + tag)
+
+
+def next_chain(previous: bytes, body_digest: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(previous + body_digest)
+
+
+# --------------------------------------------------------------------------- segment header
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    magic: bytes
+    first_seq: int
+    chain_in: bytes
+    tag: bytes
+
+
+def encode_segment_header(magic: bytes, first_seq: int, chain_in: bytes, tag: bytes) -> bytes:
+    head = _SEGMENT.pack(magic, JOURNAL_VERSION, 0, first_seq, chain_in, tag)
+    return head + xxhash.xxh3_64_digest(head)
+
+
+def decode_segment_header(data: bytes | bytearray | memoryview, magic: bytes) -> SegmentHeader:
+    if len(data) < SEGMENT_HEADER_BYTES:
+        raise CorruptData(f"journal segment header truncated ({len(data)} of {SEGMENT_HEADER_BYTES} bytes)")
+    head = bytes(data[: _SEGMENT.size])
+    found, version, _, first_seq, chain_in, tag = _SEGMENT.unpack(head)
+    if found != magic:
+        raise CorruptData(f"not a straw journal file (magic {found!r}, expected {magic!r})")
+    if xxhash.xxh3_64_digest(head) != bytes(data[_SEGMENT.size : SEGMENT_HEADER_BYTES]):
+        raise CorruptData("journal segment header checksum mismatch")
+    if version != JOURNAL_VERSION:
+        raise UnsupportedSchema(
+            f"journal version {version} is not supported (this straw reads {JOURNAL_VERSION})"
+        )
+    return SegmentHeader(found, first_seq, chain_in, tag)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def encode_frame(seq: int, previous_chain: bytes, body: bytes) -> tuple[bytes, bytes]:
+    """(header, chain after this frame). The body is written after the header unchanged."""
+    body_digest = xxhash.xxh3_128_digest(body)
+    chain = next_chain(previous_chain, body_digest)
+    head = _FRAME.pack(FRAME_MAGIC, JOURNAL_VERSION, 0, seq, len(body), chain, body_digest)
+    return head + xxhash.xxh3_64_digest(head), chain
+
+
+class Decision(enum.Enum):
+    """What recovery does with the bytes at one position of a journal segment."""
+
+    END = "end"  # clean end of the segment
+    FRAME = "frame"  # a valid frame: keep it and continue after it
+    TORN = "torn"  # an incomplete final frame (or an unwritten zero tail): truncate here
+    CORRUPT = "corrupt"  # a complete but damaged or foreign frame: fail closed
+
+
+@dataclass(frozen=True)
+class Frame:
+    seq: int
+    chain: bytes
+    body: bytes
+    end: int  # offset just past this frame
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    reason: str
+    frame: Frame | None = None
+
+
+def classify(
+    data: bytes | bytearray | memoryview, at: int, expected_seq: int, previous_chain: bytes
+) -> Verdict:
+    """The recovery decision table (docs/DURABILITY.md "Journal recovery"), one row per return.
+
+    ``data`` is the whole segment, ``at`` the position of the next frame.
+    """
+    remaining = len(data) - at
+    if remaining == 0:
+        return Verdict(Decision.END, "end of segment")
+    view = memoryview(data)[at:]
+    if remaining < FRAME_HEADER_BYTES:
+        return Verdict(Decision.TORN, f"partial frame header ({remaining} bytes)")
+    head = bytes(view[: _FRAME.size])
+    magic, version, _, seq, length, chain, body_digest = _FRAME.unpack(head)
+    if magic != FRAME_MAGIC or xxhash.xxh3_64_digest(head) != bytes(view[_FRAME.size : FRAME_HEADER_BYTES]):
+        if not view.tobytes().strip(b"\x00"):
+            return Verdict(Decision.TORN, f"{remaining} zero bytes after the last frame (unwritten tail)")
+        return Verdict(Decision.CORRUPT, f"damaged frame header at offset {at}")
+    if version != JOURNAL_VERSION:
+        raise UnsupportedSchema(f"journal frame version {version} is not supported")
+    if seq != expected_seq:
+        return Verdict(Decision.CORRUPT, f"frame at offset {at} has sequence {seq}, expected {expected_seq}")
+    if length > FRAME_BODY_BYTES_MAX:
+        return Verdict(Decision.CORRUPT, f"frame at offset {at} claims {length} bytes")
+    if remaining < FRAME_HEADER_BYTES + length:
+        return Verdict(
+            Decision.TORN, f"frame {seq} is incomplete ({remaining - FRAME_HEADER_BYTES} of {length} bytes)"
+        )
+    body = bytes(view[FRAME_HEADER_BYTES : FRAME_HEADER_BYTES + length])
+    if xxhash.xxh3_128_digest(body) != body_digest:
+        return Verdict(Decision.CORRUPT, f"frame {seq} body checksum mismatch")
+    if next_chain(previous_chain, body_digest) != chain:
+        return Verdict(
+            Decision.CORRUPT, f"frame {seq} does not continue the chain (foreign or reordered journal)"
+        )
+    return Verdict(Decision.FRAME, "valid", Frame(seq, chain, body, at + FRAME_HEADER_BYTES + length))

@@ -1,0 +1,321 @@
+"""The write-ahead journal of one queue: segments, snapshots, replay and group commit.
+
+docs/DURABILITY.md steps J1-J5. Layout under the queue directory::
+
+    wal/<first seq, 20 digits>.wal    segments of chained frames
+    snap/<seq, 20 digits>.snap        snapshots of the queue state as of that seq
+
+Appends are group-committed: callers frame their transaction in sequence order
+(under the coordinator's lock), then wait; one of the waiters writes every
+pending frame with one vectored write and one ``fdatasync`` and wakes the rest.
+A caller returns only when its own frame is durable (J2).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .._fs import durable, posix
+from ..backend import FilesystemBackend
+from ..errors import CorruptData, UnsafeRecovery, invariant
+from . import frame
+
+WAL_DIR = "wal"
+SNAP_DIR = "snap"
+_DIGITS = 20
+
+
+def _name(seq: int, suffix: str) -> str:
+    return f"{seq:0{_DIGITS}d}{suffix}"
+
+
+def _listing(directory: str, suffix: str) -> list[tuple[int, str]]:
+    """(seq, path) of the files in ``directory`` named by a sequence number, in order."""
+    out = []
+    for name in os.listdir(directory):
+        if name.endswith(suffix) and len(name) == _DIGITS + len(suffix) and name[:_DIGITS].isdigit():
+            out.append((int(name[:_DIGITS]), os.path.join(directory, name)))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What replay found: the snapshot body (if any) and where the journal ends."""
+
+    snapshot: bytes | None
+    snapshot_seq: int
+    last_seq: int
+    chain: bytes
+    truncated: str | None  # why a torn tail was cut, if one was
+
+
+class Journal:
+    """Segments and snapshots of one queue, with group-committed appends."""
+
+    def __init__(self, backend: FilesystemBackend, directory: str, tag: bytes) -> None:
+        self.backend = backend
+        self.directory = directory
+        self.tag = tag
+        self.wal = os.path.join(directory, WAL_DIR)
+        self.snap = os.path.join(directory, SNAP_DIR)
+        self._cv = threading.Condition()
+        self._fd = -1
+        self._offset = 0
+        self._next_seq = 1
+        self._chain = frame.genesis_chain(tag)
+        self._durable = 0
+        self._pending: list[bytes] = []
+        self._flushing = False
+        self._failed: BaseException | None = None
+        self.segment_first_seq = 1
+        self.bytes_since_snapshot = 0
+        self.snapshot_bytes = 0
+        self.metrics = {"appends": 0, "syncs": 0, "batches": 0, "snapshots": 0}
+
+    # -- layout ---------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """True if any segment or snapshot is present (a fresh queue must not open over it)."""
+        for sub, suffix in ((self.wal, ".wal"), (self.snap, ".snap")):
+            if os.path.isdir(sub) and _listing(sub, suffix):
+                return True
+        return False
+
+    def create_dirs(self, stop: str) -> None:
+        for sub in (self.wal, self.snap):
+            durable.make_dirs(sub, stop, self.backend.sync_dir)
+
+    def size(self) -> int:
+        total = 0
+        for sub, suffix in ((self.wal, ".wal"), (self.snap, ".snap")):
+            for _, path in _listing(sub, suffix):
+                try:
+                    total += os.path.getsize(path)
+                except FileNotFoundError:
+                    continue
+        return total
+
+    # -- recovery (J4) -----------------------------------------------------------------
+
+    def replay(self, apply: Callable[[int, bytes], None], load: Callable[[bytes], None]) -> Recovered:
+        """Hand the newest snapshot to ``load``, every later frame to ``apply``, and cut a torn tail (J4)."""
+        snapshot, seq, chain = self._load_snapshot()
+        if snapshot is not None:
+            load(snapshot)
+        segments = _listing(self.wal, ".wal")
+        truncated = None
+        # Segments wholly covered by the snapshot are skipped; the rest must follow each other.
+        start = 0
+        for i, (first, _) in enumerate(segments):
+            if first <= seq + 1:
+                start = i
+        live = segments[start:]
+        position_seq = None
+        for number, (first, path) in enumerate(live):
+            last_segment = number == len(live) - 1
+            data = self._read_file(path)
+            header = frame.decode_segment_header(data, frame.SEGMENT_MAGIC)
+            self._check_tag(header.tag, path)
+            if position_seq is None:
+                if first > seq + 1:
+                    raise CorruptData(f"journal gap: {path} starts at {first}, the snapshot ends at {seq}")
+                running_seq, running_chain = first - 1, header.chain_in
+            else:
+                running_seq, running_chain = position_seq
+                if first != running_seq + 1 or header.chain_in != running_chain:
+                    raise CorruptData(f"journal segment {path} does not continue the previous segment")
+            at = frame.SEGMENT_HEADER_BYTES
+            while True:
+                verdict = frame.classify(data, at, running_seq + 1, running_chain)
+                if verdict.decision is frame.Decision.FRAME and verdict.frame is not None:
+                    found = verdict.frame
+                    running_seq, running_chain, at = found.seq, found.chain, found.end
+                    if found.seq > seq:
+                        apply(found.seq, found.body)
+                        seq, chain = found.seq, found.chain
+                    elif found.seq == seq and found.chain != chain:
+                        raise CorruptData(
+                            f"journal frame {seq} disagrees with the snapshot (foreign journal)"
+                        )
+                    continue
+                if verdict.decision is frame.Decision.END:
+                    break
+                if verdict.decision is frame.Decision.TORN and last_segment:
+                    self._truncate(path, at)
+                    truncated = f"{os.path.basename(path)}: {verdict.reason}; cut at byte {at}"
+                    break
+                raise CorruptData(f"journal {path}: {verdict.reason}; refusing to recover past damage")
+            position_seq = (running_seq, running_chain)
+        self._next_seq = seq + 1
+        self._chain = chain
+        self._durable = seq
+        return Recovered(snapshot, self.segment_first_seq, seq, chain, truncated)
+
+    def _check_tag(self, tag: bytes, path: str) -> None:
+        if tag != self.tag:
+            raise UnsafeRecovery(f"{path} belongs to another run or queue; refusing to recover from it")
+
+    def _read_file(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as handle:
+                return handle.read()
+        except OSError as error:
+            raise posix.storage_error(error, f"reading journal {path}") from error
+
+    def _load_snapshot(self) -> tuple[bytes | None, int, bytes]:
+        snapshots = _listing(self.snap, ".snap")
+        if not snapshots:
+            return None, 0, frame.genesis_chain(self.tag)
+        seq, path = snapshots[-1]
+        data = self._read_file(path)
+        header = frame.decode_segment_header(data, frame.SNAPSHOT_MAGIC)
+        self._check_tag(header.tag, path)
+        verdict = frame.classify(data, frame.SEGMENT_HEADER_BYTES, seq, header.chain_in)
+        if (
+            verdict.decision is not frame.Decision.FRAME
+            or verdict.frame is None
+            or verdict.frame.end != len(data)
+        ):
+            raise CorruptData(f"snapshot {path} is damaged ({verdict.reason}); refusing to recover")
+        self.segment_first_seq = seq
+        self.snapshot_bytes = len(data)
+        return verdict.frame.body, seq, header.chain_in
+
+    def _truncate(self, path: str, size: int) -> None:
+        fd = posix.open_append(path)
+        try:
+            posix.truncate(fd, size)
+            self.backend.sync_file(fd)
+        finally:
+            posix.close_quietly(fd)
+
+    # -- segments (J1, J5) ------------------------------------------------------------
+
+    def start_segment(self) -> None:
+        """Begin a new segment after the last durable frame (after recovery or a snapshot)."""
+        invariant(not self._pending and self._durable == self._next_seq - 1, "no frame is in flight")
+        first = self._next_seq
+        path = os.path.join(self.wal, _name(first, ".wal"))
+        header = frame.encode_segment_header(frame.SEGMENT_MAGIC, first, self._chain, self.tag)
+        if os.path.exists(path):
+            # A segment that starts here but holds no frame (replay ended before its first frame).
+            invariant(os.path.getsize(path) <= frame.SEGMENT_HEADER_BYTES, "only an empty segment is reused")
+            posix.unlink(path)
+        durable.create_file(path, [header], self.backend.sync_file, self.backend.sync_dir)
+        fd = posix.open_append(path)
+        old = self._fd
+        self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
+        self.segment_first_seq = first
+        if old >= 0:
+            posix.close_quietly(old)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            posix.close_quietly(self._fd)
+            self._fd = -1
+
+    # -- appends (J2, J3) -----------------------------------------------------------------
+
+    def append(self, body: bytes) -> int:
+        """Frame a transaction at the next sequence number; durable once :meth:`wait` returns."""
+        with self._cv:
+            self._check_failed()
+            seq = self._next_seq
+            header, self._chain = frame.encode_frame(seq, self._chain, body)
+            self._pending += (header, body)
+            self._next_seq = seq + 1
+            self.metrics["appends"] += 1
+            return seq
+
+    @property
+    def last_seq(self) -> int:
+        return self._next_seq - 1
+
+    @property
+    def chain(self) -> bytes:
+        return self._chain
+
+    def wait(self, seq: int) -> None:
+        """Return once frame ``seq`` (and every earlier one) is durable; lead a flush if none runs."""
+        with self._cv:
+            while self._durable < seq:
+                self._check_failed()
+                if self._flushing:
+                    self._cv.wait()
+                    continue
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        self._flushing = True
+        batch, last, offset = self._pending, self._next_seq - 1, self._offset
+        self._pending = []
+        self._cv.release()
+        error: BaseException | None = None
+        written = 0
+        try:
+            written = self._write(batch, offset)
+        except BaseException as caught:
+            error = caught
+        finally:
+            self._cv.acquire()
+            self._flushing = False
+            self._cv.notify_all()
+        if error is not None:
+            # J3: after a failed journal write or sync the file's state is unknown; stop (fail-stop).
+            self._failed = error
+            raise error
+        self._offset = offset + written
+        self._durable = last
+        self.bytes_since_snapshot += written
+        self.metrics["syncs"] += 1
+        self.metrics["batches"] += 1
+
+    def _write(self, batch: list[bytes], offset: int) -> int:
+        self.backend.fault("before_journal_write")
+        written = posix.pwrite_all(self._fd, batch, offset)
+        self.backend.fault("after_journal_append")
+        self.backend.sync_file(self._fd)
+        self.backend.fault("after_journal_sync")
+        return written
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise UnsafeRecovery(
+                f"the journal stopped after a storage failure ({self._failed!r}); "
+                "close this coordinator and reopen the queue with recover=True"
+            )
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._failed
+
+    # -- snapshots (J5) -----------------------------------------------------------------
+
+    def write_snapshot(self, body: bytes) -> None:
+        """Persist the state as of the last durable frame, start a new segment, drop the old files."""
+        invariant(not self._pending and self._durable == self._next_seq - 1, "snapshot of a durable state")
+        seq, chain = self._durable, self._chain
+        header = frame.encode_segment_header(frame.SNAPSHOT_MAGIC, seq, chain, self.tag)
+        frame_header, _ = frame.encode_frame(seq, chain, body)
+        path = os.path.join(self.snap, _name(seq, ".snap"))
+        self.backend.fault("before_snapshot_write")
+        durable.replace_file(
+            path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
+        )
+        self.backend.fault("after_snapshot_write")
+        self.start_segment()
+        # The snapshot and the new segment are durable; older files are no longer needed (J5.4).
+        for old_seq, old in _listing(self.snap, ".snap"):
+            if old_seq < seq:
+                posix.unlink_quietly(old)
+        for first, old in _listing(self.wal, ".wal"):
+            if first < self.segment_first_seq:
+                posix.unlink_quietly(old)
+        self.backend.sync_dir(self.snap)
+        self.backend.sync_dir(self.wal)
+        self.bytes_since_snapshot = 0
+        self.snapshot_bytes = len(header) + len(frame_header) + len(body)
+        self.metrics["snapshots"] += 1

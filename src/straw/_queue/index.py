@@ -1,0 +1,69 @@
+"""Ordered index of pending tasks: priority descending, scheduling key ascending, FIFO.
+
+Backed by a sorted list, so taking the next task, inserting and removing cost
+O(log n) whatever the number of pending tasks (API.md section 7: acquire must
+not scan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from sortedcontainers import SortedList
+
+from ..errors import invariant
+
+Key = tuple[int, int, int, str]
+
+
+def pending_key(priority: int, scheduling_key: int, order: int, task_id: str) -> Key:
+    return (-priority, scheduling_key, order, task_id)
+
+
+class PendingIndex:
+    """Pending tasks in acquisition order, with a by-id view for prefix filters."""
+
+    def __init__(self) -> None:
+        self._order: SortedList = SortedList()
+        self._by_id: SortedList = SortedList()
+        self._keys: dict[str, Key] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._keys
+
+    def add(self, key: Key) -> None:
+        task_id = key[3]
+        invariant(task_id not in self._keys, "a task is pending at most once")
+        self._keys[task_id] = key
+        self._order.add(key)
+        self._by_id.add(task_id)
+
+    def remove(self, task_id: str) -> None:
+        key = self._keys.pop(task_id)
+        self._order.remove(key)
+        self._by_id.remove(task_id)
+
+    def first(self, count: int) -> list[str]:
+        return [key[3] for key in self._order.islice(0, count)]
+
+    def with_prefix(self, prefix: str, count: int) -> list[str]:
+        """The first ``count`` pending tasks whose id starts with ``prefix``, in acquisition order."""
+        if not prefix:
+            return self.first(count)
+        start = self._by_id.bisect_left(prefix)
+        keys = []
+        for task_id in self._by_id.islice(start):
+            if not task_id.startswith(prefix):
+                break
+            keys.append(self._keys[task_id])
+        keys.sort()
+        return [key[3] for key in keys[:count]]
+
+    def ordered(self) -> Iterator[str]:
+        return (key[3] for key in self._order)
+
+    def key(self, task_id: str) -> Key:
+        return self._keys[task_id]

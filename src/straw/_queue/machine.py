@@ -1,0 +1,992 @@
+"""The durable queue's state and its transitions (API.md section 7; docs/QUEUE.md).
+
+Every mutating call is split in two:
+
+- ``check_<op>(..., now, new_id) -> event``: validates the call against the
+  current state and decides everything non-deterministic (which tasks an
+  acquire takes, attempt ids, tokens, deadlines). It raises the caller's error
+  and changes nothing.
+- ``apply(event) -> reply``: performs the event. It is deterministic and is used
+  both live (after the event was journaled) and when replaying the journal.
+
+``TRANSITIONS`` is the table of every legal task-state change.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from ..errors import (
+    IdempotencyConflict,
+    InvalidReference,
+    LeaseExpired,
+    ResourceLimitExceeded,
+    StaleAttempt,
+    invariant,
+)
+from ..protocol import Lease, RecordSetRef, TaskSpec, digest, encode
+from .index import PendingIndex, pending_key
+
+Event = dict[str, Any]
+NewId = Callable[[], str]
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A check's reply that needs no event: an idempotent repeat or a status (nothing to journal)."""
+
+    value: Any
+
+
+PENDING, LEASED, COMPLETED, FAILED, CANCELLED = "pending", "leased", "completed", "failed", "cancelled"
+STATES = (PENDING, LEASED, COMPLETED, FAILED, CANCELLED)
+
+#: (from state, event) -> to states. Anything else is a bug (``invariant``).
+TRANSITIONS: dict[tuple[str | None, str], frozenset[str]] = {
+    (None, "submit"): frozenset({PENDING}),
+    (PENDING, "acquire"): frozenset({LEASED}),
+    (LEASED, "reclaim"): frozenset({PENDING, FAILED}),  # lease expired, worker retired or new epoch
+    (LEASED, "complete"): frozenset({COMPLETED}),
+    (LEASED, "fail"): frozenset({PENDING, FAILED}),
+    (LEASED, "release"): frozenset({PENDING}),
+    (LEASED, "yield"): frozenset({PENDING}),
+    (LEASED, "progress"): frozenset({LEASED}),
+    (PENDING, "cancel"): frozenset({CANCELLED}),
+    (LEASED, "cancel"): frozenset({CANCELLED}),
+}
+
+#: Heartbeat outcomes (API.md section 7).
+EXTENDED = "extended"
+
+
+@dataclass
+class Task:
+    """One task's live state."""
+
+    spec: TaskSpec
+    request_id: str
+    state: str = PENDING
+    order: int = 0
+    generation: int = 0
+    failures: int = 0
+    failure: str | None = None
+    lease: Lease | None = None
+    deadline: float = 0.0
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "state": self.state,
+            "spec": asdict(self.spec),
+            "lease": asdict(self.lease) if self.lease is not None else None,
+            "generation": self.generation,
+            "failures": self.failures,
+            "pending_order": self.order,
+        }
+        if self.failure is not None:
+            result["failure"] = self.failure
+        return result
+
+
+@dataclass
+class Consumer:
+    owner: str
+    token: str
+    open: bool = True
+    state: dict[str, Any] | None = None
+
+
+@dataclass
+class QueueState:
+    """Everything the queue knows; rebuilt exactly by replaying its events."""
+
+    run_id: str
+    queue_id: str
+    max_result_bytes: int = 4 * 1024**3
+    max_result_tokens: int = 100_000_000
+    metadata_bytes: int = 256 * 1024
+    epoch: int = 0
+    sealed: bool = False
+    draining: bool = False
+    next_order: int = 0
+    tasks: dict[str, Task] = field(default_factory=dict)
+    pending: PendingIndex = field(default_factory=PendingIndex)
+    control: PendingIndex = field(default_factory=PendingIndex)
+    expiry: list[tuple[float, str, str]] = field(default_factory=list)
+    requests: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    submissions: dict[str, int] = field(default_factory=dict)
+    commits: list[dict[str, Any]] = field(default_factory=list)
+    commit_workers: list[str] = field(default_factory=list)
+    producers: dict[str, Any] = field(default_factory=dict)
+    reads: dict[tuple[str, str], Lease] = field(default_factory=dict)
+    consumers: dict[str, Consumer] = field(default_factory=dict)
+    batches: dict[str, dict[str, Any]] = field(default_factory=dict)
+    checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _move(self, task: Task, event: str, to: str) -> None:
+        allowed = TRANSITIONS.get((task.state, event))
+        invariant(
+            allowed is not None and to in allowed, f"transition {task.state} --{event}--> {to} is legal"
+        )
+        self.counts[task.state] -= 1
+        self.counts[to] += 1
+        task.state = to
+
+    def _index(self, task: Task) -> PendingIndex:
+        return self.control if task.spec.control else self.pending
+
+    def _enqueue(self, task: Task) -> None:
+        """Put a task at the tail of its key's FIFO."""
+        task.order = self.next_order
+        self.next_order += 1
+        spec = task.spec
+        self._index(task).add(pending_key(spec.priority, spec.scheduling_key, task.order, spec.task_id))
+
+    def _dequeue(self, task: Task) -> None:
+        self._index(task).remove(task.spec.task_id)
+
+    def _request(self, request_id: str, fingerprint: Any) -> tuple[bool, Any]:
+        """(seen, reply) for an idempotent request id; a changed request is a conflict."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        seen = self.requests.get(request_id)
+        if seen is None:
+            return False, None
+        if seen[0] != fingerprint:
+            raise IdempotencyConflict(f"request id {request_id!r} was already used for a different request")
+        return True, seen
+
+    def _remember(self, event: Event, reply: R) -> R:
+        request_id = event.get("request_id")
+        if request_id is not None:
+            self.requests[request_id] = (event["fingerprint"], reply)
+        return reply
+
+    def task(self, task_id: str) -> Task:
+        task = self.tasks.get(task_id)
+        if task is None:
+            raise KeyError(f"unknown task {task_id!r}")
+        return task
+
+    def current(self, lease: Lease, now: float, *, allow_expired: bool = False) -> Task:
+        """The task a lease authorises, or the error saying why it does not."""
+        if not isinstance(lease, Lease):
+            raise TypeError(f"expected a Lease, got {type(lease).__name__}")
+        if lease.run_id != self.run_id or lease.queue_id != self.queue_id:
+            raise InvalidReference(
+                f"lease belongs to run {lease.run_id!r} queue {lease.queue_id!r}, "
+                f"not run {self.run_id!r} queue {self.queue_id!r}"
+            )
+        task = self.tasks.get(lease.task_id)
+        if task is None:
+            raise InvalidReference(f"lease names unknown task {lease.task_id!r}")
+        held = task.lease
+        if (
+            task.state != LEASED
+            or held is None
+            or held.attempt_id != lease.attempt_id
+            or held.token != lease.token
+            or lease.coordinator_epoch != self.epoch
+        ):
+            raise StaleAttempt(
+                f"attempt {lease.attempt_id!r} of task {lease.task_id!r} is no longer current "
+                f"(task is {task.state}); stop working on it"
+            )
+        if not allow_expired and now >= task.deadline:
+            raise LeaseExpired(
+                f"lease of task {lease.task_id!r} attempt {lease.attempt_id!r} expired; "
+                "the task may be handed to another worker"
+            )
+        return task
+
+    def _lease_pairs(self, leases: Sequence[Lease]) -> list[list[str]]:
+        return [[lease.task_id, lease.attempt_id] for lease in leases]
+
+    # ------------------------------------------------------------------ submit
+
+    def check_submit(
+        self,
+        request_id: str,
+        tasks: Sequence[TaskSpec],
+        producer_id: str | None,
+        producer_state: Any,
+    ) -> Event | Answer:
+        specs = list(tasks)
+        for spec in specs:
+            if not isinstance(spec, TaskSpec):
+                raise TypeError(f"submit_tasks takes TaskSpec objects, got {type(spec).__name__}")
+            size = len(encode(spec.metadata))
+            if size > self.metadata_bytes:
+                raise ResourceLimitExceeded(
+                    f"task {spec.task_id!r}: metadata is {size} bytes, the limit is {self.metadata_bytes}"
+                )
+        if producer_state is not None and producer_id is None:
+            raise ValueError("producer_state needs a producer_id")
+        encoded = [_spec_dict(spec) for spec in specs]
+        fingerprint = digest(["submit", encoded, producer_id, producer_state])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(list(reply[1]))
+        ids = [spec.task_id for spec in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("submit_tasks got the same task id twice")
+        for task_id in ids:
+            if task_id in self.tasks:
+                raise IdempotencyConflict(
+                    f"task id {task_id!r} was already submitted by request {self.tasks[task_id].request_id!r}"
+                )
+        if self.sealed and specs:
+            raise ValueError("input is sealed (seal_input was called); no new tasks are accepted")
+        return {
+            "op": "submit",
+            "request_id": request_id,
+            "fingerprint": fingerprint,
+            "tasks": encoded,
+            "producer_id": producer_id,
+            "producer_state": producer_state,
+        }
+
+    def _apply_submit(self, event: Event) -> list[str]:
+        ids = []
+        for data in event["tasks"]:
+            spec = _spec_from(data)
+            task = Task(spec, event["request_id"])
+            self.tasks[spec.task_id] = task
+            self.counts[PENDING] += 1
+            self._enqueue(task)
+            ids.append(spec.task_id)
+        if event["producer_id"] is not None:
+            self.producers[event["producer_id"]] = event["producer_state"]
+        return self._remember(event, ids)
+
+    # ------------------------------------------------------------------ acquire and leases
+
+    def _live_entry(self, deadline: float, task_id: str, attempt_id: str) -> bool:
+        """True if a heap entry is the current deadline of a current lease."""
+        task = self.tasks[task_id]
+        lease = task.lease
+        return (
+            task.state == LEASED
+            and lease is not None
+            and lease.attempt_id == attempt_id
+            and task.deadline == deadline
+        )
+
+    def expired(self, now: float) -> list[list[str]]:
+        """Current leases whose deadline has passed at ``now``, earliest first.
+
+        Walks only the heap entries with deadline <= now (a heap walk, no sort),
+        so the cost follows the number of expired entries, not of leases.
+        """
+        heap = self.expiry
+        found: list[list[str]] = []
+        if not heap or heap[0][0] > now:
+            return found
+        walk = [(heap[0], 0)]
+        while walk:
+            (deadline, task_id, attempt_id), at = heapq.heappop(walk)
+            if deadline > now:
+                break
+            if self._live_entry(deadline, task_id, attempt_id):
+                found.append([task_id, attempt_id])
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < len(heap):
+                    heapq.heappush(walk, (heap[child], child))
+        return found
+
+    def _prune_expiry(self) -> None:
+        """Pop heap entries that no longer name a current deadline (each entry is popped once)."""
+        heap = self.expiry
+        while heap and not self._live_entry(*heap[0]):
+            heapq.heappop(heap)
+
+    def check_acquire(
+        self,
+        worker_id: str,
+        max_tasks: int,
+        task_ids: Iterable[str] | None,
+        task_prefix: str | None,
+        control: bool,
+        now: float,
+        lease_seconds: float,
+        new_id: NewId,
+    ) -> Event | Answer:
+        """An acquire event, or the status string when nothing can be handed out."""
+        if not isinstance(worker_id, str) or not worker_id:
+            raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        if not isinstance(max_tasks, int) or isinstance(max_tasks, bool) or max_tasks < 1:
+            raise ValueError(f"max_tasks must be a positive integer, got {max_tasks!r}")
+        if self.draining:
+            return Answer("draining")
+        reclaimed = self.expired(now)
+        returning = {pair[0] for pair in reclaimed}
+        index = self.control if control else self.pending
+        if task_ids is not None:
+            if isinstance(task_ids, str):
+                raise TypeError("task_ids must be a collection of task ids, not one string")
+            chosen = [t for t in dict.fromkeys(task_ids) if self._acquirable(t, index, returning, control)]
+            chosen = chosen[:max_tasks]
+        else:
+            # Returning tasks join the FIFO tail, so they come after what is already pending.
+            chosen = index.with_prefix(task_prefix, max_tasks) if task_prefix else index.first(max_tasks)
+            if len(chosen) < max_tasks:
+                extra = [
+                    t
+                    for t in sorted(returning, key=lambda t: self.tasks[t].deadline)
+                    if self.tasks[t].spec.control == control
+                    and (not task_prefix or t.startswith(task_prefix))
+                    and self._can_lease_again(t, returning)
+                ]
+                chosen += extra[: max_tasks - len(chosen)]
+        if not chosen and not reclaimed:
+            return Answer(self._idle_status())
+        grants = [[t, new_id(), new_id()] for t in chosen]
+        return {
+            "op": "acquire",
+            "worker_id": worker_id,
+            "reclaimed": reclaimed,
+            "grants": grants,
+            "deadline": now + lease_seconds,
+        }
+
+    def _acquirable(self, task_id: str, index: PendingIndex, returning: set[str], control: bool) -> bool:
+        if task_id in index:
+            return True
+        return (
+            task_id in returning
+            and self.tasks[task_id].spec.control == control
+            and self._can_lease_again(task_id, returning)
+        )
+
+    def _can_lease_again(self, task_id: str, returning: set[str]) -> bool:
+        task = self.tasks[task_id]
+        if task_id in returning:
+            return task.failures + 1 < task.spec.max_attempts
+        return True
+
+    def _idle_status(self) -> str:
+        if self.sealed and not len(self.pending) and not self.counts[LEASED]:
+            return "end_of_input"
+        return "empty"
+
+    def _apply_acquire(self, event: Event) -> list[Lease]:
+        self._reclaim(event["reclaimed"], "lease expired")
+        leases = []
+        for task_id, attempt_id, token in event["grants"]:
+            task = self.tasks[task_id]
+            self._dequeue(task)
+            self._move(task, "acquire", LEASED)
+            task.generation += 1
+            task.lease = Lease(
+                run_id=self.run_id,
+                queue_id=self.queue_id,
+                task_id=task_id,
+                attempt_id=attempt_id,
+                generation=task.generation,
+                coordinator_epoch=self.epoch,
+                token=token,
+                worker_id=event["worker_id"],
+            )
+            task.deadline = event["deadline"]
+            heapq.heappush(self.expiry, (task.deadline, task_id, attempt_id))
+            if task.spec.input_ref is not None:
+                self.reads[(task_id, attempt_id)] = task.lease
+            leases.append(task.lease)
+        return leases
+
+    def _reclaim(self, pairs: Iterable[Sequence[str]], why: str) -> None:
+        """Take leases back: each spends an attempt; an exhausted task fails. Reads stay outstanding."""
+        for task_id, attempt_id in pairs:
+            task = self.tasks[task_id]
+            invariant(
+                task.lease is not None and task.lease.attempt_id == attempt_id, "reclaimed lease is current"
+            )
+            task.failures += 1
+            if task.failures >= task.spec.max_attempts:
+                task.failure = f"{why}; {task.failures} of {task.spec.max_attempts} attempts spent"
+                self._move(task, "reclaim", FAILED)
+            else:
+                self._move(task, "reclaim", PENDING)
+                self._enqueue(task)
+        self._prune_expiry()
+
+    def heartbeat(self, leases: Sequence[Lease], now: float, lease_seconds: float) -> list[str]:
+        """Extend current leases in memory (not journaled: recovery revokes every lease anyway)."""
+        outcomes = []
+        for lease in leases:
+            try:
+                task = self.current(lease, now)
+            except StaleAttempt:
+                outcomes.append("StaleAttempt")
+                continue
+            except LeaseExpired:
+                outcomes.append("LeaseExpired")
+                continue
+            except InvalidReference:
+                outcomes.append("StaleAttempt")
+                continue
+            task.deadline = now + lease_seconds
+            heapq.heappush(self.expiry, (task.deadline, lease.task_id, lease.attempt_id))
+            outcomes.append(EXTENDED)
+        return outcomes
+
+    # ------------------------------------------------------------------ completion
+
+    def check_complete(
+        self,
+        lease: Lease,
+        submission_id: str,
+        result_ref: RecordSetRef,
+        result_digest: str,
+        now: float,
+        new_id: NewId,
+    ) -> Event | Answer:
+        """A complete event, or the original receipt of a retried submission."""
+        if not isinstance(submission_id, str) or not submission_id:
+            raise ValueError(f"submission_id must be a non-empty string, got {submission_id!r}")
+        if not isinstance(result_ref, RecordSetRef):
+            raise TypeError(f"result_ref must be a RecordSetRef, got {type(result_ref).__name__}")
+        position = self.submissions.get(submission_id)
+        if position is not None:
+            receipt = self.commits[position]
+            if (receipt["task_id"], receipt["digest"]) != (lease.task_id, result_digest):
+                raise IdempotencyConflict(
+                    f"submission {submission_id!r} was accepted for task {receipt['task_id']!r} with "
+                    f"digest {receipt['digest'][:12]}..; this retry differs"
+                )
+            return Answer(receipt)
+        if result_digest != result_ref.digest:
+            raise InvalidReference("result_digest does not match result_ref.digest")
+        task = self.current(lease, now)
+        if result_ref.payload_bytes > self.max_result_bytes or result_ref.tokens > self.max_result_tokens:
+            raise ResourceLimitExceeded(
+                f"result of task {lease.task_id!r} has {result_ref.payload_bytes} bytes and "
+                f"{result_ref.tokens} tokens; the queue accepts at most {self.max_result_bytes} and "
+                f"{self.max_result_tokens}"
+            )
+        if result_ref.records == 0 and not task.spec.allow_empty:
+            raise ValueError(f"task {lease.task_id!r} does not allow an empty result (allow_empty=False)")
+        return {
+            "op": "complete",
+            "task_id": lease.task_id,
+            "attempt_id": lease.attempt_id,
+            "submission_id": submission_id,
+            "commit_id": new_id(),
+            "digest": result_digest,
+            "result_ref": asdict(result_ref),
+        }
+
+    def _apply_complete(self, event: Event) -> dict[str, Any]:
+        task = self.tasks[event["task_id"]]
+        invariant(task.lease is not None and task.lease.attempt_id == event["attempt_id"], "completing lease")
+        self._move(task, "complete", COMPLETED)
+        self.reads.pop((event["task_id"], event["attempt_id"]), None)
+        receipt = {
+            "commit_id": event["commit_id"],
+            "task_id": event["task_id"],
+            "submission_id": event["submission_id"],
+            "digest": event["digest"],
+            "position": len(self.commits),
+            "result_ref": event["result_ref"],
+        }
+        self.commits.append(receipt)
+        self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
+        self.submissions[event["submission_id"]] = receipt["position"]
+        self._prune_expiry()
+        return receipt
+
+    # ------------------------------------------------------------------ returning work
+
+    def check_fail(
+        self, lease: Lease, request_id: str, failure: str, retryable: bool, now: float
+    ) -> Event | Answer:
+        fingerprint = digest(["fail", lease.task_id, lease.attempt_id, str(failure), bool(retryable)])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(str(reply[1]))
+        self.current(lease, now)
+        return {
+            "op": "fail",
+            "request_id": request_id,
+            "fingerprint": fingerprint,
+            "task_id": lease.task_id,
+            "attempt_id": lease.attempt_id,
+            "failure": str(failure),
+            "retryable": bool(retryable),
+        }
+
+    def _apply_fail(self, event: Event) -> str:
+        task = self.tasks[event["task_id"]]
+        task.failures += 1
+        task.failure = event["failure"]
+        self.reads.pop((event["task_id"], event["attempt_id"]), None)
+        if not event["retryable"] or task.failures >= task.spec.max_attempts:
+            self._move(task, "fail", FAILED)
+        else:
+            self._move(task, "fail", PENDING)
+            self._enqueue(task)
+        self._prune_expiry()
+        return self._remember(event, task.state)
+
+    def check_release(self, leases: Sequence[Lease], request_id: str, now: float) -> Event | Answer:
+        leases = list(leases)
+        fingerprint = digest(["release", self._lease_pairs(leases)])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(list(reply[1]))
+        outcomes = []
+        for lease in leases:
+            try:
+                self.current(lease, now, allow_expired=True)
+                outcomes.append("released")
+            except (StaleAttempt, InvalidReference):
+                outcomes.append("StaleAttempt")
+        return {
+            "op": "release",
+            "request_id": request_id,
+            "fingerprint": fingerprint,
+            "leases": self._lease_pairs(leases),
+            "outcomes": outcomes,
+        }
+
+    def _apply_release(self, event: Event) -> list[str]:
+        for (task_id, attempt_id), outcome in zip(event["leases"], event["outcomes"], strict=True):
+            if outcome != "released":
+                continue
+            task = self.tasks[task_id]
+            self.reads.pop((task_id, attempt_id), None)
+            self._move(task, "release", PENDING)
+            self._enqueue(task)
+        self._prune_expiry()
+        return self._remember(event, list(event["outcomes"]))
+
+    def check_yield(
+        self, updates: Sequence[Mapping[str, Any]], request_id: str, now: float
+    ) -> Event | Answer:
+        """All-or-nothing: every lease must be current (expired leases may still yield)."""
+        normal = []
+        for update in updates:
+            lease = update["lease"]
+            ref = update.get("input_ref")
+            if ref is not None and not isinstance(ref, RecordSetRef):
+                raise TypeError("yield input_ref must be a RecordSetRef or None")
+            normal.append(
+                {
+                    "task_id": lease.task_id,
+                    "attempt_id": lease.attempt_id,
+                    "input_ref": asdict(ref) if ref is not None else None,
+                    "priority": update.get("priority"),
+                    "scheduling_key": update.get("scheduling_key"),
+                    "metadata": update.get("metadata"),
+                }
+            )
+        fingerprint = digest(["yield", normal])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(list(reply[1]))
+        for update, item in zip(updates, normal, strict=True):
+            task = self.current(update["lease"], now, allow_expired=True)
+            spec = _replace_spec(task.spec, item)  # validates priority range and metadata
+            if len(encode(spec.metadata)) > self.metadata_bytes:
+                raise ResourceLimitExceeded(
+                    f"task {spec.task_id!r}: metadata over {self.metadata_bytes} bytes"
+                )
+        if len({item["task_id"] for item in normal}) != len(normal):
+            raise ValueError("yield_tasks got the same task twice")
+        return {"op": "yield", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
+
+    def _apply_yield(self, event: Event) -> list[str]:
+        for item in event["updates"]:
+            task = self.tasks[item["task_id"]]
+            self.reads.pop((item["task_id"], item["attempt_id"]), None)
+            task.spec = _replace_spec(task.spec, item)
+            self._move(task, "yield", PENDING)
+            self._enqueue(task)
+        self._prune_expiry()
+        return self._remember(event, [PENDING] * len(event["updates"]))
+
+    def check_progress(
+        self, updates: Sequence[Mapping[str, Any]], request_id: str, now: float
+    ) -> Event | Answer:
+        normal = []
+        for update in updates:
+            lease, ref = update["lease"], update["input_ref"]
+            if not isinstance(ref, RecordSetRef):
+                raise TypeError("save_task_progress input_ref must be a RecordSetRef")
+            normal.append(
+                {"task_id": lease.task_id, "attempt_id": lease.attempt_id, "input_ref": asdict(ref)}
+            )
+        fingerprint = digest(["progress", normal])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(list(reply[1]))
+        for update in updates:
+            self.current(update["lease"], now)
+        return {"op": "progress", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
+
+    def _apply_progress(self, event: Event) -> list[str]:
+        for item in event["updates"]:
+            task = self.tasks[item["task_id"]]
+            self._move(task, "progress", LEASED)
+            task.spec = _replace_spec(task.spec, {"input_ref": item["input_ref"]})
+            if task.lease is not None:
+                self.reads[(item["task_id"], item["attempt_id"])] = task.lease
+        return self._remember(event, [LEASED] * len(event["updates"]))
+
+    def check_cancel(self, task_id: str, request_id: str) -> Event | Answer:
+        fingerprint = digest(["cancel", task_id])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(str(reply[1]))
+        self.task(task_id)  # unknown ids raise KeyError and change nothing
+        return {"op": "cancel", "request_id": request_id, "fingerprint": fingerprint, "task_id": task_id}
+
+    def _apply_cancel(self, event: Event) -> str:
+        task = self.tasks[event["task_id"]]
+        if task.state == PENDING:
+            self._dequeue(task)
+            self._move(task, "cancel", CANCELLED)
+        elif task.state == LEASED:
+            self._move(task, "cancel", CANCELLED)
+            self._prune_expiry()
+        return self._remember(event, task.state)
+
+    def check_seal(self, request_id: str) -> Event | Answer:
+        fingerprint = digest(["seal"])
+        seen, _ = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(True)
+        return {"op": "seal", "request_id": request_id, "fingerprint": fingerprint}
+
+    def _apply_seal(self, event: Event) -> bool:
+        self.sealed = True
+        return bool(self._remember(event, True))
+
+    def _apply_drain(self, event: Event) -> bool:
+        self.draining = True
+        return True
+
+    # ------------------------------------------------------------------ workers and reads
+
+    def check_retire(self, worker_id: str) -> Event:
+        leased = [
+            [t.spec.task_id, t.lease.attempt_id]
+            for t in self.tasks.values()
+            if t.state == LEASED and t.lease is not None and t.lease.worker_id == worker_id
+        ]
+        reads = [list(key) for key, lease in self.reads.items() if lease.worker_id == worker_id]
+        return {"op": "retire", "worker_id": worker_id, "leased": leased, "reads": reads}
+
+    def _apply_retire(self, event: Event) -> list[dict[str, Any]]:
+        self._reclaim(event["leased"], f"worker {event['worker_id']} retired")
+        for task_id, attempt_id in event["reads"]:
+            self.reads.pop((task_id, attempt_id), None)
+        worker = event["worker_id"]
+        return [c for c, w in zip(self.commits, self.commit_workers, strict=True) if w == worker]
+
+    def check_release_reads(self, leases: Sequence[Lease]) -> Event:
+        return {"op": "release_reads", "reads": self._lease_pairs(list(leases))}
+
+    def _apply_release_reads(self, event: Event) -> int:
+        released = 0
+        for task_id, attempt_id in event["reads"]:
+            released += self.reads.pop((task_id, attempt_id), None) is not None
+        return released
+
+    def _apply_epoch(self, event: Event) -> int:
+        """Recovery: a new coordinator epoch revokes every lease (each spends an attempt)."""
+        invariant(event["epoch"] > self.epoch, "epochs only grow")
+        self.epoch = event["epoch"]
+        leased = [
+            [t.spec.task_id, t.lease.attempt_id]
+            for t in self.tasks.values()
+            if t.state == LEASED and t.lease is not None
+        ]
+        self._reclaim(leased, f"revoked by recovery (epoch {self.epoch})")
+        self.draining = False
+        return self.epoch
+
+    # ------------------------------------------------------------------ consumers, batches, checkpoints
+
+    def check_open_consumer(self, consumer_id: str, owner: str, token: str) -> Event:
+        _check_name(consumer_id, "consumer_id")
+        _check_name(owner, "exclusive_owner")
+        consumer = self.consumers.get(consumer_id)
+        if consumer is not None and consumer.open and consumer.owner != owner:
+            raise IdempotencyConflict(
+                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; close it first"
+            )
+        return {"op": "open_consumer", "consumer_id": consumer_id, "owner": owner, "token": token}
+
+    def _apply_open_consumer(self, event: Event) -> str:
+        old = self.consumers.get(event["consumer_id"])
+        state = old.state if old is not None else None
+        self.consumers[event["consumer_id"]] = Consumer(event["owner"], event["token"], True, state)
+        return str(event["token"])
+
+    def consumer(self, consumer_id: str, token: str) -> Consumer:
+        consumer = self.consumers.get(consumer_id)
+        if consumer is None:
+            raise KeyError(f"unknown consumer {consumer_id!r}; open_consumer first")
+        if not consumer.open or consumer.token != token:
+            raise StaleAttempt(f"token of consumer {consumer_id!r} is not current; reopen the consumer")
+        return consumer
+
+    def check_close_consumer(self, consumer_id: str, token: str) -> Event:
+        self.consumer(consumer_id, token)
+        return {"op": "close_consumer", "consumer_id": consumer_id}
+
+    def _apply_close_consumer(self, event: Event) -> bool:
+        self.consumers[event["consumer_id"]].open = False
+        return True
+
+    def check_save_consumer(
+        self, consumer_id: str, token: str, request_id: str, state: dict[str, Any]
+    ) -> Event | Answer:
+        fingerprint = digest(["consumer", consumer_id, state])
+        seen, reply = self._request(request_id, fingerprint)
+        if seen:
+            return Answer(reply[1])
+        consumer = self.consumer(consumer_id, token)
+        _check_cursors(state, consumer.state, len(self.commits))
+        return {
+            "op": "save_consumer",
+            "request_id": request_id,
+            "fingerprint": fingerprint,
+            "consumer_id": consumer_id,
+            "state": state,
+        }
+
+    def _apply_save_consumer(self, event: Event) -> Any:
+        self.consumers[event["consumer_id"]].state = event["state"]
+        return self._remember(event, event["state"])
+
+    def check_plan_batch(self, consumer_id: str, token: str, batch: dict[str, Any]) -> Event | Answer:
+        self.consumer(consumer_id, token)
+        existing = self.batches.get(batch["batch_id"])
+        if existing is not None:
+            if {k: existing[k] for k in batch} != batch:
+                raise IdempotencyConflict(f"batch {batch['batch_id']!r} was already planned differently")
+            return Answer(existing)
+        positions = batch["input_positions"]
+        if any(
+            not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(self.commits) for p in positions
+        ):
+            raise ValueError(f"input_positions must name accepted results (0..{len(self.commits) - 1})")
+        return {"op": "plan_batch", "batch": batch}
+
+    def _apply_plan_batch(self, event: Event) -> dict[str, Any]:
+        batch = dict(event["batch"], ready=False)
+        self.batches[batch["batch_id"]] = batch
+        return batch
+
+    def check_batch_ready(
+        self, consumer_id: str, token: str, batch_id: str, ready_ref: dict[str, Any], state: dict[str, Any]
+    ) -> Event | Answer:
+        consumer = self.consumer(consumer_id, token)
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise KeyError(f"unknown batch {batch_id!r}; plan_batch first")
+        if batch["consumer_id"] != consumer_id:
+            raise InvalidReference(f"batch {batch_id!r} belongs to consumer {batch['consumer_id']!r}")
+        if batch["ready"]:
+            if batch["ready_ref"] != ready_ref:
+                raise IdempotencyConflict(f"batch {batch_id!r} is already ready with another result")
+            return Answer({"batch_id": batch_id, "ready_ref": batch["ready_ref"], "state": consumer.state})
+        _check_cursors(state, consumer.state, len(self.commits))
+        return {
+            "op": "batch_ready",
+            "consumer_id": consumer_id,
+            "batch_id": batch_id,
+            "ready_ref": ready_ref,
+            "state": state,
+        }
+
+    def _apply_batch_ready(self, event: Event) -> dict[str, Any]:
+        batch = self.batches[event["batch_id"]]
+        batch["ready"] = True
+        batch["ready_ref"] = event["ready_ref"]
+        self.consumers[event["consumer_id"]].state = event["state"]
+        return {"batch_id": event["batch_id"], "ready_ref": event["ready_ref"], "state": event["state"]}
+
+    def _apply_register_checkpoint(self, event: Event) -> dict[str, Any]:
+        entry = {"checkpoint_id": event["checkpoint_id"], "checkpoint_ref": event["checkpoint_ref"]}
+        self.checkpoints[event["checkpoint_id"]] = entry
+        return entry
+
+    def _apply_release_checkpoint(self, event: Event) -> bool:
+        return self.checkpoints.pop(event["checkpoint_id"], None) is not None
+
+    # ------------------------------------------------------------------ dispatch
+
+    def apply(self, event: Event) -> Any:
+        """Perform one event (live or replayed). Unknown ops are a bug or a newer journal."""
+        handler = _APPLY.get(event.get("op", ""))
+        invariant(handler is not None, f"event op {event.get('op')!r} is known")
+        return handler(self, event)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ views
+
+    def pending_specs(self, task_prefix: str | None, min_priority: int | None) -> list[TaskSpec]:
+        out = []
+        for task_id in self.pending.ordered():
+            spec = self.tasks[task_id].spec
+            if min_priority is not None and spec.priority < min_priority:
+                break  # ordered by priority descending
+            if task_prefix and not task_id.startswith(task_prefix):
+                continue
+            out.append(spec)
+        return out
+
+
+def state_to_dict(state: QueueState) -> dict[str, Any]:
+    """The whole state as JSON-ready data (a journal snapshot body, docs/FORMAT.md section 9)."""
+    return {
+        "v": 1,
+        "run_id": state.run_id,
+        "queue_id": state.queue_id,
+        "epoch": state.epoch,
+        "sealed": state.sealed,
+        "draining": state.draining,
+        "next_order": state.next_order,
+        "tasks": [
+            [
+                asdict(t.spec),
+                t.request_id,
+                t.state,
+                t.order,
+                t.generation,
+                t.failures,
+                t.failure,
+                asdict(t.lease) if t.lease is not None else None,
+                t.deadline,
+            ]
+            for t in state.tasks.values()
+        ],
+        "requests": {k: [v[0], v[1]] for k, v in state.requests.items()},
+        "commits": state.commits,
+        "commit_workers": state.commit_workers,
+        "producers": state.producers,
+        "reads": [asdict(lease) for lease in state.reads.values()],
+        "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
+        "batches": state.batches,
+        "checkpoints": state.checkpoints,
+    }
+
+
+def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueState:
+    """An empty queue with the per-item limits of its identity (``Limits``)."""
+    return QueueState(
+        run_id,
+        queue_id,
+        max_result_bytes=limits["max_result_bytes"],
+        max_result_tokens=limits["max_result_tokens"],
+        metadata_bytes=limits["metadata_bytes"],
+    )
+
+
+def state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> QueueState:
+    """Rebuild a state (and its indexes) from :func:`state_to_dict` output."""
+    state = new_state(data["run_id"], data["queue_id"], limits)
+    state.epoch, state.sealed, state.draining = data["epoch"], data["sealed"], data["draining"]
+    state.next_order = data["next_order"]
+    for spec, request_id, status, order, generation, failures, failure, lease, deadline in data["tasks"]:
+        task = Task(
+            _spec_from(spec),
+            request_id,
+            status,
+            order,
+            generation,
+            failures,
+            failure,
+            Lease.from_dict(lease) if lease is not None else None,
+            deadline,
+        )
+        state.tasks[task.spec.task_id] = task
+        state.counts[status] += 1
+        if status == PENDING:
+            key = pending_key(task.spec.priority, task.spec.scheduling_key, order, task.spec.task_id)
+            state._index(task).add(key)
+        elif status == LEASED and task.lease is not None:
+            heapq.heappush(state.expiry, (deadline, task.spec.task_id, task.lease.attempt_id))
+    state.requests = {k: (v[0], v[1]) for k, v in data["requests"].items()}
+    state.commits = list(data["commits"])
+    state.commit_workers = list(data["commit_workers"])
+    state.submissions = {c["submission_id"]: c["position"] for c in state.commits}
+    state.producers = dict(data["producers"])
+    for item in data["reads"]:
+        lease = Lease.from_dict(item)
+        state.reads[(lease.task_id, lease.attempt_id)] = lease
+    state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
+    state.batches = dict(data["batches"])
+    state.checkpoints = dict(data["checkpoints"])
+    return state
+
+
+_APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
+    "submit": QueueState._apply_submit,
+    "acquire": QueueState._apply_acquire,
+    "complete": QueueState._apply_complete,
+    "fail": QueueState._apply_fail,
+    "release": QueueState._apply_release,
+    "yield": QueueState._apply_yield,
+    "progress": QueueState._apply_progress,
+    "cancel": QueueState._apply_cancel,
+    "seal": QueueState._apply_seal,
+    "drain": QueueState._apply_drain,
+    "retire": QueueState._apply_retire,
+    "release_reads": QueueState._apply_release_reads,
+    "epoch": QueueState._apply_epoch,
+    "open_consumer": QueueState._apply_open_consumer,
+    "close_consumer": QueueState._apply_close_consumer,
+    "save_consumer": QueueState._apply_save_consumer,
+    "plan_batch": QueueState._apply_plan_batch,
+    "batch_ready": QueueState._apply_batch_ready,
+    "register_checkpoint": QueueState._apply_register_checkpoint,
+    "release_checkpoint": QueueState._apply_release_checkpoint,
+}
+
+
+# ---------------------------------------------------------------------- spec helpers
+
+
+def _spec_dict(spec: TaskSpec) -> dict[str, Any]:
+    return asdict(spec)
+
+
+def _spec_from(data: Mapping[str, Any]) -> TaskSpec:
+    return TaskSpec.from_dict(data)
+
+
+def _replace_spec(spec: TaskSpec, item: Mapping[str, Any]) -> TaskSpec:
+    data = _spec_dict(spec)
+    if "input_ref" in item:
+        data["input_ref"] = item["input_ref"]
+    for name in ("priority", "scheduling_key", "metadata"):
+        if item.get(name) is not None:
+            data[name] = item[name]
+    return _spec_from(data)
+
+
+def _check_name(value: object, what: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+
+
+def _check_cursors(state: Mapping[str, Any], old: Mapping[str, Any] | None, commits: int) -> None:
+    fetch, processed = state["fetch_cursor"], state["processed_cursor"]
+    for name, value in (("fetch_cursor", fetch), ("processed_cursor", processed)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= commits:
+            raise ValueError(f"{name} must be an integer in 0..{commits} (accepted results), got {value!r}")
+    if processed > fetch:
+        raise ValueError(f"processed_cursor {processed} is ahead of fetch_cursor {fetch}")
+    if old is not None and processed < old["processed_cursor"]:
+        raise ValueError(
+            f"processed_cursor may not move backwards ({old['processed_cursor']} -> {processed})"
+        )

@@ -1,0 +1,676 @@
+"""Coordinator: the durable work queue over a write-ahead journal (API.md section 7).
+
+A thin shell around the pure state machine of ``straw._queue.machine``: each
+call is checked against the state, journaled as one transaction, applied, and
+answered only once its transaction is durable (group commit, docs/DURABILITY.md
+J1-J5). The live coordinator holds an exclusive ``flock`` on its queue, so a
+second one, in any process or on any client of a shared mount, is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ._fs import durable, lock, posix
+from ._journal import frame as journal_frame
+from ._journal.log import Journal
+from ._queue.machine import (
+    COMPLETED,
+    LEASED,
+    PENDING,
+    Answer,
+    Event,
+    QueueState,
+    new_state,
+    state_from_dict,
+    state_to_dict,
+)
+from .errors import CorruptData, InvalidReference, UnsafeRecovery, UnsupportedSchema
+from .limits import JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
+from .protocol import (
+    AcquireResult,
+    Assignment,
+    CommitPage,
+    CommitReceipt,
+    Lease,
+    Limits,
+    Record,
+    RecordSetRef,
+    TaskSpec,
+    decode,
+    digest,
+    encode,
+)
+from .store import SharedFilesystemStore
+
+__all__ = ["Coordinator"]
+
+IDENTITY_FILE = "queue.json"
+LOCK_FILE = "LOCK"
+QUEUE_FORMAT = "straw-queue"
+QUEUE_VERSION = 1
+
+
+def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
+    """Where a queue's files live: ``queue/`` at the pool root, or ``queues/<digest>/``."""
+    if namespace:
+        return os.path.join(root, "queues", digest(queue_id)[:32])
+    return os.path.join(root, "queue")
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if len(value.encode("utf-8")) > QUEUE_ID_BYTES_MAX:
+        raise ValueError(f"{what} is longer than {QUEUE_ID_BYTES_MAX} bytes")
+    return value
+
+
+class Coordinator:
+    """The single live owner of one durable queue in a pool."""
+
+    def __init__(
+        self,
+        store: SharedFilesystemStore,
+        *,
+        queue_id: str = "rollout",
+        namespace: bool = False,
+        exclusive_owner: str,
+        recover: bool = False,
+        limits: Limits | None = None,
+        lease_seconds: float = 300,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        started = time.perf_counter()
+        if not isinstance(store, SharedFilesystemStore):
+            raise TypeError(f"store must be a SharedFilesystemStore, got {type(store).__name__}")
+        self.store = store
+        self.queue_id = _text(queue_id, "queue_id")
+        self.exclusive_owner = _text(exclusive_owner, "exclusive_owner")
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)):
+            raise ValueError(f"lease_seconds must be a positive number, got {lease_seconds!r}")
+        if not (math.isfinite(lease_seconds) and lease_seconds > 0):
+            raise ValueError(f"lease_seconds must be a positive number, got {lease_seconds!r}")
+        self.lease_seconds = float(lease_seconds)
+        self.limits = limits if limits is not None else Limits()
+        if not isinstance(self.limits, Limits):
+            raise TypeError(f"limits must be a straw Limits, got {type(self.limits).__name__}")
+        self.clock = clock
+        self.namespace = bool(namespace)
+        self.backend = store.backend
+        root = str(self.backend.root)
+        self.directory = queue_directory(root, self.queue_id, self.namespace)
+        self._lock = threading.Lock()
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
+        try:
+            durable.make_dirs(self.directory, root, self.backend.sync_dir)
+            self._lock_fd = self._take_lock()
+        except OSError as error:
+            raise posix.storage_error(error, f"opening queue directory {self.directory}") from error
+        try:
+            self._journal = Journal(
+                self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
+            )
+            self._state = self._open(recover)
+        except BaseException:
+            lock.unlock(self._lock_fd)
+            raise
+        self.recovery_seconds = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ opening
+
+    def _take_lock(self) -> int:
+        path = os.path.join(self.directory, LOCK_FILE)
+        fd = lock.try_lock_exclusive(path)
+        if fd is None:
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = Path(path).read_text(errors="replace").strip()
+            raise UnsafeRecovery(
+                f"queue {self.queue_id!r} is held by a live coordinator ({holder or 'unknown holder'}); "
+                "stop it first (its lock is released when it exits, then recover=True works)"
+            )
+        note = encode({"owner": self.exclusive_owner, "pid": os.getpid(), "host": socket.gethostname()})
+        try:
+            posix.truncate(fd, 0)
+            posix.pwrite_all(fd, [note], 0)  # informational only: never synced, never trusted
+        except OSError:
+            pass
+        return fd
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "format": QUEUE_FORMAT,
+            "version": QUEUE_VERSION,
+            "run_id": self.store.run_id,
+            "queue_id": self.queue_id,
+            "exclusive_owner": self.exclusive_owner,
+            "limits": asdict(self.limits),
+        }
+
+    def _open(self, recover: bool) -> QueueState:
+        identity_path = os.path.join(self.directory, IDENTITY_FILE)
+        exists = os.path.exists(identity_path) or self._journal.exists()
+        if exists and not recover:
+            raise UnsafeRecovery(
+                f"queue {self.queue_id!r} already exists in {self.directory}; reopen it with recover=True"
+            )
+        limits = {
+            "max_result_bytes": self.limits.max_result_bytes,
+            "max_result_tokens": self.limits.max_result_tokens,
+            "metadata_bytes": self.limits.metadata_bytes,
+        }
+        if not exists:
+            self._journal.create_dirs(str(self.backend.root))
+            durable.create_file(
+                identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
+            )
+            state = new_state(self.store.run_id, self.queue_id, limits)
+            self._journal.start_segment()
+        else:
+            self._check_identity(identity_path)
+            self._journal.create_dirs(str(self.backend.root))
+            state = self._replay(limits)
+            self._journal.start_segment()
+        self._state = state
+        # J4.5: a new epoch, durable before serving, revokes every lease of the old one.
+        self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1})
+        return state
+
+    def _check_identity(self, path: str) -> None:
+        try:
+            with open(path, "rb") as handle:
+                found = decode(handle.read())
+        except FileNotFoundError:
+            return  # crashed before the identity became durable: nothing was ever served
+        except OSError as error:
+            raise posix.storage_error(error, f"reading {path}") from error
+        if not isinstance(found, dict) or found.get("format") != QUEUE_FORMAT:
+            raise CorruptData(f"{path} is not a straw queue identity file")
+        if found.get("version") != QUEUE_VERSION:
+            raise UnsupportedSchema(f"queue format version {found.get('version')!r} is not supported")
+        wanted = self._identity()
+        for key in ("run_id", "queue_id", "exclusive_owner", "limits"):
+            if found.get(key) != wanted[key]:
+                raise UnsafeRecovery(
+                    f"queue in {self.directory} was created with {key}={found.get(key)!r}, "
+                    f"this coordinator has {key}={wanted[key]!r}; refusing to recover another identity"
+                )
+
+    def _replay(self, limits: Mapping[str, int]) -> QueueState:
+        holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
+
+        def apply(seq: int, body: bytes) -> None:
+            holder[0].apply(decode(body))
+
+        def load(body: bytes) -> None:
+            holder[0] = state_from_dict(decode(body), limits)
+
+        recovered = self._journal.replay(apply, load)
+        self.truncated_tail = recovered.truncated
+        return holder[0]
+
+    # ------------------------------------------------------------------ the call path
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise UnsafeRecovery(f"coordinator of queue {self.queue_id!r} is closed")
+        if self._broken is not None:
+            raise UnsafeRecovery(
+                f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r}; "
+                "close it and reopen the queue with recover=True"
+            )
+
+    def _commit(self, check: Callable[[], Event | Answer]) -> Any:
+        """Check, journal, apply under the lock; return once the transaction is durable (J2)."""
+        with self._lock:
+            self._usable()
+            self._maybe_snapshot()
+            result = check()
+            if isinstance(result, Answer):
+                seq = self._journal.last_seq
+                reply = result.value
+                self._counters["duplicate_requests"] += 1
+            else:
+                body = encode(result)
+                try:
+                    seq = self._journal.append(body)
+                    reply = self._state.apply(result)
+                except BaseException as error:
+                    self._broken = error
+                    raise
+        try:
+            self._journal.wait(seq)
+        except BaseException as error:
+            self._broken = error
+            raise
+        return reply
+
+    def _query(self, read: Callable[[], Any]) -> Any:
+        """Answer from the state, once everything it may reflect is durable."""
+        with self._lock:
+            self._usable()
+            value = read()
+            seq = self._journal.last_seq
+        self._journal.wait(seq)
+        return value
+
+    def _maybe_snapshot(self) -> None:
+        journal = self._journal
+        if journal.bytes_since_snapshot < max(JOURNAL_SNAPSHOT_BYTES_MIN, journal.snapshot_bytes):
+            return
+        self._snapshot_locked()
+
+    def _snapshot_locked(self) -> None:
+        """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
+        self._journal.wait(self._journal.last_seq)
+        self._journal.write_snapshot(encode(state_to_dict(self._state)))
+
+    @staticmethod
+    def _new_id() -> str:
+        return secrets.token_hex(16)
+
+    # ------------------------------------------------------------------ tasks
+
+    def submit_tasks(
+        self,
+        request_id: str,
+        tasks: Iterable[TaskSpec],
+        *,
+        producer_id: str | None = None,
+        producer_state: Any = None,
+    ) -> list[str]:
+        """Add tasks atomically (with the producer's new state); a repeated request returns the same ids."""
+        specs = list(tasks)
+        return list(
+            self._commit(lambda: self._state.check_submit(request_id, specs, producer_id, producer_state))
+        )
+
+    def producer_state(self, producer_id: str) -> Any:
+        return self._query(lambda: self._state.producers.get(producer_id))
+
+    def acquire(
+        self,
+        worker_id: str,
+        max_tasks: int = 1,
+        *,
+        task_ids: Iterable[str] | None = None,
+        task_prefix: str | None = None,
+        control: bool = False,
+    ) -> AcquireResult:
+        """Lease up to ``max_tasks`` tasks in priority / scheduling-key / FIFO order (one transaction)."""
+        ids = list(task_ids) if task_ids is not None and not isinstance(task_ids, str) else task_ids
+        now = self.clock()
+        reply = self._commit(
+            lambda: self._state.check_acquire(
+                worker_id, max_tasks, ids, task_prefix, bool(control), now, self.lease_seconds, self._new_id
+            )
+        )
+        if isinstance(reply, str):
+            return AcquireResult(reply)  # type: ignore[arg-type]
+        if not reply:
+            return AcquireResult(self._query(self._state._idle_status))
+        assignments = tuple(Assignment(self._state.tasks[lease.task_id].spec, lease) for lease in reply)
+        return AcquireResult("acquired", assignments)
+
+    def heartbeat(self, leases: Iterable[Lease]) -> list[str]:
+        """Extend current leases: ``extended``, ``StaleAttempt`` or ``LeaseExpired`` for each.
+
+        Heartbeats are not journaled: recovery revokes every lease, so deadlines
+        never need to survive a crash (docs/DURABILITY.md J6).
+        """
+        items = list(leases)
+        with self._lock:
+            self._usable()
+            return self._state.heartbeat(items, self.clock(), self.lease_seconds)
+
+    def complete_task(
+        self, lease: Lease, *, submission_id: str, result_ref: RecordSetRef, result_digest: str
+    ) -> CommitReceipt:
+        """Accept a result for a leased attempt at the next position; retries return the original receipt."""
+        _text(submission_id, "submission_id")
+        with self._lock:
+            self._usable()
+            early = self._state.check_complete(
+                lease, submission_id, result_ref, result_digest, self.clock(), self._new_id
+            )
+        if isinstance(early, Answer):
+            self._counters["duplicate_completions"] += 1
+            receipt = self._query(lambda: early.value)
+        else:
+            # The records must belong to this task and attempt (API.md section 5, validate);
+            # this reads packs, so it runs outside the lock and the lease is checked again after.
+            self.store.validate(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
+            receipt = self._commit(
+                lambda: self._state.check_complete(
+                    lease, submission_id, result_ref, result_digest, self.clock(), self._new_id
+                )
+            )
+        self.backend.fault("before_completion_reply")
+        return CommitReceipt.from_dict(receipt)
+
+    def fail_task(self, lease: Lease, *, request_id: str, failure: str, retryable: bool = True) -> str:
+        """Spend an attempt; the task is pending again, or ``failed`` when attempts run out."""
+        now = self.clock()
+        return str(self._commit(lambda: self._state.check_fail(lease, request_id, failure, retryable, now)))
+
+    def release_tasks(self, leases: Iterable[Lease], *, request_id: str) -> list[str]:
+        """Give leased tasks back without spending an attempt (stale leases are reported, not fatal)."""
+        items = list(leases)
+        now = self.clock()
+        return list(self._commit(lambda: self._state.check_release(items, request_id, now)))
+
+    def yield_task(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef | None) -> str:
+        """Return a task with new input (a continuation) to the tail of its FIFO; no attempt spent."""
+        return self.yield_tasks([{"lease": lease, "input_ref": input_ref}], request_id=request_id)[0]
+
+    def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
+        """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata."""
+        items = [dict(u) for u in updates]
+        self._verify_inputs(u.get("input_ref") for u in items)
+        now = self.clock()
+        return list(self._commit(lambda: self._state.check_yield(items, request_id, now)))
+
+    def save_task_progress(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef) -> str:
+        """Record new input for a task while keeping its lease."""
+        return self.save_task_progress_many(
+            [{"lease": lease, "input_ref": input_ref}], request_id=request_id
+        )[0]
+
+    def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
+        items = [dict(u) for u in updates]
+        self._verify_inputs(u.get("input_ref") for u in items)
+        now = self.clock()
+        return list(self._commit(lambda: self._state.check_progress(items, request_id, now)))
+
+    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> None:
+        for ref in refs:
+            if ref is not None:
+                if not isinstance(ref, RecordSetRef):
+                    raise TypeError(f"input_ref must be a RecordSetRef, got {type(ref).__name__}")
+                self.store.validate(ref)
+
+    def cancel_task(self, task_id: str, *, request_id: str) -> str:
+        """Cancel a pending or leased task; a finished task keeps its state (returned)."""
+        return str(self._commit(lambda: self._state.check_cancel(task_id, request_id)))
+
+    def seal_input(self, request_id: str) -> bool:
+        """No more tasks will be submitted; ``acquire`` answers ``end_of_input`` once all are done."""
+        return bool(self._commit(lambda: self._state.check_seal(request_id)))
+
+    def task_status(self, task_id: str) -> dict[str, Any] | None:
+        def read() -> dict[str, Any] | None:
+            task = self._state.tasks.get(task_id)
+            return task.status() if task is not None else None
+
+        return self._query(read)  # type: ignore[no-any-return]
+
+    def pending_tasks(
+        self, *, task_prefix: str | None = None, min_priority: int | None = None
+    ) -> list[TaskSpec]:
+        return list(self._query(lambda: self._state.pending_specs(task_prefix, min_priority)))
+
+    def lookup_submission(self, submission_id: str) -> CommitReceipt | None:
+        def read() -> dict[str, Any] | None:
+            position = self._state.submissions.get(submission_id)
+            return self._state.commits[position] if position is not None else None
+
+        found = self._query(read)
+        return CommitReceipt.from_dict(found) if found is not None else None
+
+    def read_commits(self, cursor: int = 0, limit: int = 100) -> CommitPage:
+        """Accepted results from ``cursor`` (a position), at most ``limit`` of them."""
+        if isinstance(cursor, bool) or not isinstance(cursor, int) or cursor < 0:
+            raise ValueError(f"cursor must be a non-negative integer, got {cursor!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+
+        def read() -> tuple[list[dict[str, Any]], bool]:
+            state = self._state
+            page = state.commits[cursor : cursor + limit]
+            done = state.sealed and not len(state.pending) and not state.counts[LEASED]
+            return page, done and cursor + len(page) >= len(state.commits)
+
+        page, done = self._query(read)
+        return CommitPage(tuple(CommitReceipt.from_dict(c) for c in page), cursor + len(page), done)
+
+    # ------------------------------------------------------------------ reads and workers
+
+    def outstanding_reads(self) -> tuple[Lease, ...]:
+        """Leases whose holders may still be reading their task's input (expiry does not end a read)."""
+        return tuple(self._query(lambda: list(self._state.reads.values())))
+
+    def release_task_reads(self, leases: Iterable[Lease]) -> int:
+        items = list(leases)
+        return int(self._commit(lambda: self._state.check_release_reads(items)))
+
+    def retire_worker(self, worker_id: str) -> list[dict[str, Any]]:
+        """Fence a stopped worker: its leases are revoked and its reads end; returns its receipts."""
+        _text(worker_id, "worker_id")
+        return list(self._commit(lambda: self._state.check_retire(worker_id)))
+
+    # ------------------------------------------------------------------ consumers and batches
+
+    def open_consumer(self, consumer_id: str, *, exclusive_owner: str) -> str:
+        token = self._new_id()
+        return str(self._commit(lambda: self._state.check_open_consumer(consumer_id, exclusive_owner, token)))
+
+    def close_consumer(self, consumer_id: str, token: str) -> bool:
+        return bool(self._commit(lambda: self._state.check_close_consumer(consumer_id, token)))
+
+    def _consumer_state(
+        self,
+        state_ref: RecordSetRef,
+        fetch_cursor: int,
+        processed_cursor: int,
+        progress_ref: RecordSetRef | None,
+    ) -> dict[str, Any]:
+        self._verify_inputs([state_ref, progress_ref])
+        state: dict[str, Any] = {
+            "version": 1,
+            "state_ref": asdict(state_ref),
+            "fetch_cursor": fetch_cursor,
+            "processed_cursor": processed_cursor,
+        }
+        if progress_ref is not None:
+            state["progress_ref"] = asdict(progress_ref)
+        return state
+
+    def save_consumer_state(
+        self,
+        consumer_id: str,
+        *,
+        token: str,
+        request_id: str,
+        state_ref: RecordSetRef,
+        fetch_cursor: int,
+        processed_cursor: int,
+        progress_ref: RecordSetRef | None = None,
+    ) -> dict[str, Any]:
+        state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
+        return dict(
+            self._commit(lambda: self._state.check_save_consumer(consumer_id, token, request_id, state))
+        )
+
+    def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
+        def read() -> dict[str, Any] | None:
+            consumer = self._state.consumers.get(consumer_id)
+            return dict(consumer.state) if consumer is not None and consumer.state is not None else None
+
+        return self._query(read)  # type: ignore[no-any-return]
+
+    def plan_batch(
+        self,
+        consumer_id: str,
+        *,
+        token: str,
+        batch_id: str,
+        input_positions: Sequence[int],
+        plan_ref: RecordSetRef,
+    ) -> dict[str, Any]:
+        _text(batch_id, "batch_id")
+        self._verify_inputs([plan_ref])
+        batch = {
+            "batch_id": batch_id,
+            "consumer_id": consumer_id,
+            "input_positions": list(input_positions),
+            "plan_ref": asdict(plan_ref),
+        }
+        return dict(self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch)))
+
+    def batch_ready(
+        self,
+        consumer_id: str,
+        *,
+        token: str,
+        batch_id: str,
+        ready_ref: RecordSetRef,
+        state_ref: RecordSetRef,
+        fetch_cursor: int,
+        processed_cursor: int,
+        progress_ref: RecordSetRef | None = None,
+    ) -> dict[str, Any]:
+        self._verify_inputs([ready_ref])
+        state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
+        ready = asdict(ready_ref)
+        return dict(
+            self._commit(lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state))
+        )
+
+    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        def read() -> dict[str, Any] | None:
+            batch = self._state.batches.get(batch_id)
+            return dict(batch) if batch is not None else None
+
+        return self._query(read)  # type: ignore[no-any-return]
+
+    def register_checkpoint(self, checkpoint_id: str, checkpoint_ref: RecordSetRef) -> dict[str, Any]:
+        """Record a training checkpoint's reference (a GC root once the ownership catalog lands)."""
+        _text(checkpoint_id, "checkpoint_id")
+        self._verify_inputs([checkpoint_ref])
+        ref = asdict(checkpoint_ref)
+
+        def check() -> Event | Answer:
+            existing = self._state.checkpoints.get(checkpoint_id)
+            if existing is not None:
+                if existing["checkpoint_ref"] != ref:
+                    raise InvalidReference(
+                        f"checkpoint {checkpoint_id!r} is registered with another reference"
+                    )
+                return Answer(existing)
+            return {"op": "register_checkpoint", "checkpoint_id": checkpoint_id, "checkpoint_ref": ref}
+
+        return dict(self._commit(check))
+
+    def release_checkpoint(self, checkpoint_id: str) -> bool:
+        def check() -> Event | Answer:
+            if checkpoint_id not in self._state.checkpoints:
+                return Answer(False)
+            return {"op": "release_checkpoint", "checkpoint_id": checkpoint_id}
+
+        return bool(self._commit(check))
+
+    # ------------------------------------------------------------------ views and lifecycle
+
+    @property
+    def epoch(self) -> int:
+        return self._state.epoch
+
+    @property
+    def tasks(self) -> dict[str, dict[str, Any]]:
+        return dict(self._query(lambda: {k: t.status() for k, t in self._state.tasks.items()}))
+
+    @property
+    def commits(self) -> list[dict[str, Any]]:
+        return list(self._query(lambda: [dict(c) for c in self._state.commits]))
+
+    @property
+    def checkpoints(self) -> dict[str, dict[str, Any]]:
+        return dict(self._query(lambda: {k: dict(v) for k, v in self._state.checkpoints.items()}))
+
+    @property
+    def consumers(self) -> dict[str, dict[str, Any]]:
+        def read() -> dict[str, dict[str, Any]]:
+            return {
+                k: {"owner": c.owner, "open": c.open, "state": c.state}
+                for k, c in self._state.consumers.items()
+            }
+
+        return dict(self._query(read))
+
+    def metrics(self) -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            state = self._state
+            return {
+                "tasks": {k: v for k, v in state.counts.items() if v},
+                "commits": len(state.commits),
+                "epoch": state.epoch,
+                "sealed": state.sealed,
+                "draining": state.draining,
+                "outstanding_reads": len(state.reads),
+                "journal_bytes": self._journal.size(),
+                "journal": dict(self._journal.metrics),
+                "recovery_seconds": self.recovery_seconds,
+                "counters": dict(self._counters),
+            }
+
+        return dict(self._query(read))
+
+    def drain(self) -> dict[str, int]:
+        """Stop handing out tasks (``acquire`` answers ``draining``); leased work can still finish."""
+
+        def check() -> Event | Answer:
+            if self._state.draining:
+                return Answer(True)
+            return {"op": "drain"}
+
+        self._commit(check)
+        counts = self._query(lambda: dict(self._state.counts))
+        return {"pending": counts[PENDING], "leased": counts[LEASED], "completed": counts[COMPLETED]}
+
+    def snapshot(self) -> RecordSetRef:
+        """Publish the current state as a ``json.v1`` record (inspection only; recovery uses the journal)."""
+        body, seq = self._query(lambda: (encode(state_to_dict(self._state)), self._journal.last_seq))
+        record = Record(
+            "queue-state", body, codec="json.v1", metadata={"queue_id": self.queue_id, "seq": seq}
+        )
+        return self.store.publish([record], submission_id=f"queue-snapshot-{self.queue_id}-{self._new_id()}")
+
+    def close(self) -> None:
+        """Write a snapshot (so reopening is fast), release the queue lock. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if (
+                    self._broken is None
+                    and self._journal.failed is None
+                    and self._journal.bytes_since_snapshot
+                ):
+                    self._snapshot_locked()
+            finally:
+                self._journal.close()
+                lock.unlock(self._lock_fd)
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = f"queue_id={self.queue_id!r}, directory={self.directory!r}"
+        return f"Coordinator({where}, epoch={self._state.epoch})"
