@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from .protocol import (
     Record,
     RecordSetRef,
     TaskSpec,
+    as_dict,
     decode,
     digest,
     encode,
@@ -157,7 +157,7 @@ class Coordinator:
             "run_id": self.store.run_id,
             "queue_id": self.queue_id,
             "exclusive_owner": self.exclusive_owner,
-            "limits": asdict(self.limits),
+            "limits": as_dict(self.limits),
         }
 
     def _open(self, recover: bool) -> QueueState:
@@ -343,10 +343,8 @@ class Coordinator:
         _text(submission_id, "submission_id")
         with self._lock:
             self._usable()
-            early = self._state.check_complete(
-                lease, submission_id, result_ref, result_digest, self.clock(), self._new_id
-            )
-        if isinstance(early, Answer):
+            early = self._state.precheck_complete(lease, submission_id, result_digest, self.clock())
+        if early is not None:
             self._counters["duplicate_completions"] += 1
             receipt = self._query(lambda: early.value)
         else:
@@ -480,12 +478,12 @@ class Coordinator:
         self._verify_inputs([state_ref, progress_ref])
         state: dict[str, Any] = {
             "version": 1,
-            "state_ref": asdict(state_ref),
+            "state_ref": as_dict(state_ref),
             "fetch_cursor": fetch_cursor,
             "processed_cursor": processed_cursor,
         }
         if progress_ref is not None:
-            state["progress_ref"] = asdict(progress_ref)
+            state["progress_ref"] = as_dict(progress_ref)
         return state
 
     def save_consumer_state(
@@ -526,7 +524,7 @@ class Coordinator:
             "batch_id": batch_id,
             "consumer_id": consumer_id,
             "input_positions": list(input_positions),
-            "plan_ref": asdict(plan_ref),
+            "plan_ref": as_dict(plan_ref),
         }
         return dict(self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch)))
 
@@ -544,7 +542,7 @@ class Coordinator:
     ) -> dict[str, Any]:
         self._verify_inputs([ready_ref])
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
-        ready = asdict(ready_ref)
+        ready = as_dict(ready_ref)
         return dict(
             self._commit(lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state))
         )
@@ -560,7 +558,7 @@ class Coordinator:
         """Record a training checkpoint's reference (a GC root once the ownership catalog lands)."""
         _text(checkpoint_id, "checkpoint_id")
         self._verify_inputs([checkpoint_ref])
-        ref = asdict(checkpoint_ref)
+        ref = as_dict(checkpoint_ref)
 
         def check() -> Event | Answer:
             existing = self._state.checkpoints.get(checkpoint_id)

@@ -16,7 +16,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import xxhash
@@ -49,7 +49,17 @@ from .limits import (
     SUBMISSIONS_REMEMBERED_MAX,
     TOKENS_MAX,
 )
-from .protocol import Publication, Record, RecordRef, RecordSetRef, SegmentRef, decode, digest, encode
+from .protocol import (
+    Publication,
+    Record,
+    RecordRef,
+    RecordSetRef,
+    SegmentRef,
+    as_dict,
+    decode,
+    digest,
+    encode,
+)
 
 __all__ = ["POOL_MARKER", "ReadSession", "SharedFilesystemStore"]
 
@@ -202,8 +212,8 @@ class ReadSession:
         return {
             "version": frame.FORMAT_VERSION,
             "digest": resolved.manifest.digest,
-            "records": [asdict(r.ref()) for r in resolved.records],
-            "dependencies": [asdict(d) for d in resolved.dependencies],
+            "records": [as_dict(r.ref()) for r in resolved.records],
+            "dependencies": [as_dict(d) for d in resolved.dependencies],
         }
 
     def validate(
@@ -364,8 +374,9 @@ class SharedFilesystemStore:
         root = str(self.backend.root)
         marker = os.path.join(root, POOL_MARKER)
         try:
-            os.makedirs(os.path.dirname(root), exist_ok=True)
-            durable.make_dirs(root, os.path.dirname(root), self.backend.sync_dir)
+            parent = os.path.dirname(root)
+            os.makedirs(parent, exist_ok=True)
+            durable.make_dirs(root, parent, self.backend.sync_dir)
             if not os.path.exists(marker):
                 durable.create_file(
                     marker, [encode(POOL_FORMAT)], self.backend.sync_file, self.backend.sync_dir
@@ -373,6 +384,10 @@ class SharedFilesystemStore:
             with open(marker, "rb") as handle:
                 found = decode(handle.read(4096))
             durable.make_dirs(os.path.join(root, "raw"), root, self.backend.sync_dir)
+            # D0: an earlier open may have created these entries and then failed to sync them;
+            # syncing both directories on every open makes "exists" imply "durable".
+            self.backend.sync_dir(parent)
+            self.backend.sync_dir(root)
         except OSError as error:
             raise posix.storage_error(error, f"opening pool {root}") from error
         if not isinstance(found, dict) or found.get("format") != POOL_FORMAT["format"]:
@@ -446,7 +461,7 @@ class SharedFilesystemStore:
             key = (x.segment.path, x.segment.offset)
             if key not in segment_ids:
                 segment_ids[key] = len(segments)
-                segments.append(asdict(x.segment))
+                segments.append(as_dict(x.segment))
             pairs.append((segment_ids[key], x.ordinal))
         set_digest = logical_digest(entries, [d["digest"] for d in deps])
         manifest = frame.Manifest(set_digest, tuple(pairs), tuple(segments), tuple(deps))
@@ -511,7 +526,7 @@ class SharedFilesystemStore:
             if not isinstance(dep, RecordSetRef):
                 raise TypeError(f"dependency must be a RecordSetRef, got {type(dep).__name__}")
             session.resolve(dep)
-            out.append({"digest": dep.digest, "ref": asdict(dep)})
+            out.append({"digest": dep.digest, "ref": as_dict(dep)})
         return out
 
     def _publish(self, kind: str, publications: list[Publication], submission_id: str) -> list[RecordSetRef]:
@@ -532,7 +547,7 @@ class SharedFilesystemStore:
             payload = sum(e.payload.nbytes for e in records)
             sets.append((len(entries) - 1, set_digest, len(records), payload, sum(e.tokens for e in records)))
             self._check_count(len(entries))
-        fingerprint = digest([kind, [s[1] for s in sets]])
+        fingerprint = kind + ":" + ",".join(s[1] for s in sets)
 
         def result(segment: SegmentRef) -> list[RecordSetRef]:
             return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]

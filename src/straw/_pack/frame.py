@@ -15,7 +15,17 @@ from typing import Any
 import xxhash
 
 from ..errors import CorruptData, UnsupportedSchema, invariant
-from ..limits import CHUNK_BYTES, INDEX_BYTES_MAX, PACK_BYTES_MAX, RECORDS_PER_WRITE_MAX
+from ..limits import (
+    CHUNK_BYTES,
+    CODEC_NAME_BYTES_MAX,
+    INDEX_BYTES_MAX,
+    METADATA_BYTES_MAX,
+    PACK_BYTES_MAX,
+    RECORD_ID_BYTES_MAX,
+    RECORDS_PER_WRITE_MAX,
+    SUBMISSION_ID_BYTES_MAX,
+    TOKENS_MAX,
+)
 from ..protocol import decode, encode
 
 FORMAT_VERSION = 1
@@ -249,7 +259,10 @@ def parse_index(body: object) -> Index:
     if chunk <= 0 or chunk % 4096 or len(records) > RECORDS_PER_WRITE_MAX:
         raise CorruptData("index: chunk size or record count out of range")
     entries = tuple(_parse_entry(item, chunk) for item in records)
-    return Index(_get(body, "sub", str, "index"), chunk, entries)
+    submission = _get(body, "sub", str, "index")
+    if len(submission) > SUBMISSION_ID_BYTES_MAX:
+        raise CorruptData("index: submission id longer than the format allows")
+    return Index(submission, chunk, entries)
 
 
 def _parse_entry(item: object, chunk: int) -> IndexEntry:
@@ -274,8 +287,13 @@ def _parse_entry(item: object, chunk: int) -> IndexEntry:
         or type(chunks) is not str
     ):
         raise CorruptData(f"index record {record_id!r}: a field is missing or has the wrong type")
-    if min(tokens, offset, length) < 0 or offset + length > PACK_BYTES_MAX:
+    if min(tokens, offset, length) < 0 or offset + length > PACK_BYTES_MAX or tokens > TOKENS_MAX:
         raise CorruptData(f"index record {record_id!r}: negative or oversized field")
+    # Readers hold what they read to the writers' limits (FORMAT.md section 6).
+    if len(record_id) > RECORD_ID_BYTES_MAX or len(codec) > CODEC_NAME_BYTES_MAX:
+        raise CorruptData(f"index record {record_id[:64]!r}: id or codec longer than the format allows")
+    if meta and len(encode(meta)) > METADATA_BYTES_MAX:
+        raise CorruptData(f"index record {record_id!r}: metadata larger than METADATA_BYTES_MAX")
     if not _HEX32.fullmatch(content):
         raise CorruptData(f"index record {record_id!r}: malformed content hash")
     if len(chunks) != 16 * chunk_count(length, chunk) or not _HEX.fullmatch(chunks):

@@ -155,12 +155,13 @@ class PackReader:
 
     def index(self, segment: SegmentRef) -> frame.Index:
         """The verified, parsed index frame a SegmentRef points to (cached)."""
+        # Check the reference before the cache: a cached index must not vouch for a forged copy.
+        self.check_segment(segment)
         key = (segment.path, segment.offset, segment.checksum)
         cached = self._indexes.get(key)
         if cached is not None:
             self._indexes.move_to_end(key)
             return cached
-        self.check_segment(segment)
 
         def check(data: bytes | bytearray) -> frame.Index:
             body = frame.decode_json_frame(data, frame.KIND_INDEX, segment.checksum)
@@ -209,8 +210,8 @@ class PackReader:
             _verify_chunks(memoryview(data), entry, chunk, first, segment.path)
             return data
 
-        data = self._verified(segment.path, segment.segment_id, hi - lo, entry.offset + lo, check)
-        return memoryview(data)[start - lo : stop - lo]
+        chunks = self._verified(segment.path, segment.segment_id, hi - lo, entry.offset + lo, check)
+        return memoryview(chunks)[start - lo : stop - lo]
 
 
 def _verify_chunks(view: memoryview, entry: frame.IndexEntry, chunk: int, first: int, path: str) -> None:

@@ -76,6 +76,7 @@ class PackWriter:
         self.directory = f"raw/{writer_id}"
         self._pack: _OpenPack | None = None
         self._closed = False
+        self._directory_durable = False
         self.packs_created = 0
         self.bytes_written = 0
 
@@ -216,7 +217,12 @@ class PackWriter:
         """D2: write the first extent of a new pack to a temporary name, sync, rename, sync dir."""
         root = str(self.backend.root)
         directory = os.path.join(root, self.directory)
-        durable.make_dirs(directory, root, self.backend.sync_dir)
+        if not self._directory_durable:
+            # D2.1: create raw/<writer>/ and sync raw/ until one sync has succeeded (a failed sync
+            # leaves the directory in place, so "it exists" does not mean "it is durable").
+            durable.make_dirs(directory, root, self.backend.sync_dir)
+            self.backend.sync_dir(os.path.dirname(directory))
+            self._directory_durable = True
         segment_id = secrets.token_hex(16)
         suffix = STANDALONE_SUFFIX if standalone else PACK_SUFFIX
         relative = f"{self.directory}/{segment_id}{suffix}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import (
@@ -27,7 +27,7 @@ from ..errors import (
     StaleAttempt,
     invariant,
 )
-from ..protocol import Lease, RecordSetRef, TaskSpec, digest, encode
+from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode
 from .index import PendingIndex, pending_key
 
 Event = dict[str, Any]
@@ -80,8 +80,8 @@ class Task:
     def status(self) -> dict[str, Any]:
         result: dict[str, Any] = {
             "state": self.state,
-            "spec": asdict(self.spec),
-            "lease": asdict(self.lease) if self.lease is not None else None,
+            "spec": as_dict(self.spec),
+            "lease": as_dict(self.lease) if self.lease is not None else None,
             "generation": self.generation,
             "failures": self.failures,
             "pending_order": self.order,
@@ -438,6 +438,22 @@ class QueueState:
 
     # ------------------------------------------------------------------ completion
 
+    def precheck_complete(
+        self, lease: Lease, submission_id: str, result_digest: str, now: float
+    ) -> Answer | None:
+        """The cheap part of :meth:`check_complete`: a known submission's receipt, or the lease error."""
+        position = self.submissions.get(submission_id)
+        if position is not None:
+            receipt = self.commits[position]
+            if (receipt["task_id"], receipt["digest"]) != (lease.task_id, result_digest):
+                raise IdempotencyConflict(
+                    f"submission {submission_id!r} was accepted for task {receipt['task_id']!r} with "
+                    f"digest {receipt['digest'][:12]}..; this retry differs"
+                )
+            return Answer(receipt)
+        self.current(lease, now)
+        return None
+
     def check_complete(
         self,
         lease: Lease,
@@ -452,15 +468,9 @@ class QueueState:
             raise ValueError(f"submission_id must be a non-empty string, got {submission_id!r}")
         if not isinstance(result_ref, RecordSetRef):
             raise TypeError(f"result_ref must be a RecordSetRef, got {type(result_ref).__name__}")
-        position = self.submissions.get(submission_id)
-        if position is not None:
-            receipt = self.commits[position]
-            if (receipt["task_id"], receipt["digest"]) != (lease.task_id, result_digest):
-                raise IdempotencyConflict(
-                    f"submission {submission_id!r} was accepted for task {receipt['task_id']!r} with "
-                    f"digest {receipt['digest'][:12]}..; this retry differs"
-                )
-            return Answer(receipt)
+        known = self.precheck_complete(lease, submission_id, result_digest, now)
+        if known is not None:
+            return known
         if result_digest != result_ref.digest:
             raise InvalidReference("result_digest does not match result_ref.digest")
         task = self.current(lease, now)
@@ -479,7 +489,7 @@ class QueueState:
             "submission_id": submission_id,
             "commit_id": new_id(),
             "digest": result_digest,
-            "result_ref": asdict(result_ref),
+            "result_ref": as_dict(result_ref),
         }
 
     def _apply_complete(self, event: Event) -> dict[str, Any]:
@@ -580,7 +590,7 @@ class QueueState:
                 {
                     "task_id": lease.task_id,
                     "attempt_id": lease.attempt_id,
-                    "input_ref": asdict(ref) if ref is not None else None,
+                    "input_ref": as_dict(ref) if ref is not None else None,
                     "priority": update.get("priority"),
                     "scheduling_key": update.get("scheduling_key"),
                     "metadata": update.get("metadata"),
@@ -620,7 +630,7 @@ class QueueState:
             if not isinstance(ref, RecordSetRef):
                 raise TypeError("save_task_progress input_ref must be a RecordSetRef")
             normal.append(
-                {"task_id": lease.task_id, "attempt_id": lease.attempt_id, "input_ref": asdict(ref)}
+                {"task_id": lease.task_id, "attempt_id": lease.attempt_id, "input_ref": as_dict(ref)}
             )
         fingerprint = digest(["progress", normal])
         seen, reply = self._request(request_id, fingerprint)
@@ -857,14 +867,14 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "next_order": state.next_order,
         "tasks": [
             [
-                asdict(t.spec),
+                as_dict(t.spec),
                 t.request_id,
                 t.state,
                 t.order,
                 t.generation,
                 t.failures,
                 t.failure,
-                asdict(t.lease) if t.lease is not None else None,
+                as_dict(t.lease) if t.lease is not None else None,
                 t.deadline,
             ]
             for t in state.tasks.values()
@@ -873,7 +883,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "commits": state.commits,
         "commit_workers": state.commit_workers,
         "producers": state.producers,
-        "reads": [asdict(lease) for lease in state.reads.values()],
+        "reads": [as_dict(lease) for lease in state.reads.values()],
         "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
         "batches": state.batches,
         "checkpoints": state.checkpoints,
@@ -957,7 +967,8 @@ _APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
 
 
 def _spec_dict(spec: TaskSpec) -> dict[str, Any]:
-    return asdict(spec)
+    data: dict[str, Any] = as_dict(spec)
+    return data
 
 
 def _spec_from(data: Mapping[str, Any]) -> TaskSpec:
