@@ -1,6 +1,6 @@
 """Pure encoding of journal segments and frames, and the recovery decision table.
 
-docs/FORMAT.md section 9 is the normative description. A journal is a sequence
+docs/FORMAT.md section 8 is the normative description. A journal is a sequence
 of segments; each segment starts with a 64-byte segment header and holds
 frames numbered by a global sequence and chained by xxh3-128:
 ``chain(n) = xxh3_128(chain(n-1) || body_digest(n))``. A snapshot file has the

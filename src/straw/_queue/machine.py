@@ -856,7 +856,7 @@ class QueueState:
 
 
 def state_to_dict(state: QueueState) -> dict[str, Any]:
-    """The whole state as JSON-ready data (a journal snapshot body, docs/FORMAT.md section 9)."""
+    """The whole state as JSON-ready data (a journal snapshot body, docs/FORMAT.md section 8)."""
     return {
         "v": 1,
         "run_id": state.run_id,
