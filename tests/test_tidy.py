@@ -36,11 +36,14 @@ LAYERS: dict[str, int] = {
     "_fs": 1,
     "reporting": 1,
     "_pack": 2,
+    # The journal's framing and the ownership catalog sit below the store: the store's
+    # lifetime calls (retain, release, collect_garbage) are built on the catalog, which
+    # reuses the journal's chained frames. (STYLE.md draws them at L4; see docs/GC.md.)
+    "_journal": 2,
+    "_catalog": 2,
     "store": 3,
     "tensor": 3,
     "codec": 3,
-    "_catalog": 4,
-    "_journal": 4,
     "_queue": 5,
     "coordinator": 6,
     "rollout": 7,

@@ -56,6 +56,8 @@ from .store import SharedFilesystemStore
 __all__ = ["Coordinator"]
 
 IDENTITY_FILE = "queue.json"
+#: The consumer whose progress acknowledges accepted results for GC (API.md section 7).
+TRAINING = "training"
 LOCK_FILE = "LOCK"
 QUEUE_FORMAT = "straw-queue"
 QUEUE_VERSION = 1
@@ -119,7 +121,11 @@ class Coordinator:
             self._lock_fd = self._take_lock()
         except OSError as error:
             raise posix.storage_error(error, f"opening queue directory {self.directory}") from error
+        # docs/GC.md "Queue roots": this queue's owner in the pool's catalog, and the packs it
+        # is known to own (a reference into an owned pack needs no catalog write).
+        self._gc_owner = "queue:" + digest([store.run_id, os.path.relpath(self.directory, root)])[:32]
         try:
+            self._owned = store._owned(self._gc_owner)
             self._journal = Journal(
                 self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
             )
@@ -233,8 +239,13 @@ class Coordinator:
                 "close it and reopen the queue with recover=True"
             )
 
-    def _commit(self, check: Callable[[], Event | Answer]) -> Any:
-        """Check, journal, apply under the lock; return once the transaction is durable (J2)."""
+    def _commit(self, check: Callable[[], Event | Answer], packs: set[str] | None = None) -> Any:
+        """Check, own, journal, apply under the lock; return once the transaction is durable (J2).
+
+        ``packs`` are the packs the call's references reach: they are owned by the
+        queue in the catalog before the journal names them (G6), so a crash
+        retains too much, never too little.
+        """
         with self._lock:
             self._usable()
             self._maybe_snapshot()
@@ -244,6 +255,11 @@ class Coordinator:
                 reply = result.value
                 self._counters["duplicate_requests"] += 1
             else:
+                if packs:
+                    new = packs - self._owned
+                    if new:
+                        self.store._queue_own(self._gc_owner, new, replace=False)
+                        self._owned |= new
                 body = encode(result)
                 try:
                     seq = self._journal.append(body)
@@ -294,8 +310,11 @@ class Coordinator:
     ) -> list[str]:
         """Add tasks atomically (with the producer's new state); a repeated request returns the same ids."""
         specs = list(tasks)
+        packs = self._verify_inputs(spec.input_ref for spec in specs if isinstance(spec, TaskSpec))
         return list(
-            self._commit(lambda: self._state.check_submit(request_id, specs, producer_id, producer_state))
+            self._commit(
+                lambda: self._state.check_submit(request_id, specs, producer_id, producer_state), packs
+            )
         )
 
     def producer_state(self, producer_id: str) -> Any:
@@ -351,10 +370,12 @@ class Coordinator:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
             self.store.validate(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
+            packs = self.store.reach([result_ref])
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id
-                )
+                ),
+                packs,
             )
         self.backend.fault("before_completion_reply")
         return CommitReceipt.from_dict(receipt)
@@ -377,9 +398,9 @@ class Coordinator:
     def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
         """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata."""
         items = [dict(u) for u in updates]
-        self._verify_inputs(u.get("input_ref") for u in items)
+        packs = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_yield(items, request_id, now)))
+        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs))
 
     def save_task_progress(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef) -> str:
         """Record new input for a task while keeping its lease."""
@@ -389,16 +410,19 @@ class Coordinator:
 
     def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
         items = [dict(u) for u in updates]
-        self._verify_inputs(u.get("input_ref") for u in items)
+        packs = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_progress(items, request_id, now)))
+        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs))
 
-    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> None:
+    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> set[str]:
+        """Verify references through the store; returns the packs they reach (to own them)."""
+        found = []
         for ref in refs:
             if ref is not None:
                 if not isinstance(ref, RecordSetRef):
-                    raise TypeError(f"input_ref must be a RecordSetRef, got {type(ref).__name__}")
-                self.store.validate(ref)
+                    raise TypeError(f"expected a RecordSetRef, got {type(ref).__name__}")
+                found.append(ref)
+        return self.store.reach(found) if found else set()
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
@@ -475,7 +499,6 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None,
     ) -> dict[str, Any]:
-        self._verify_inputs([state_ref, progress_ref])
         state: dict[str, Any] = {
             "version": 1,
             "state_ref": as_dict(state_ref),
@@ -498,8 +521,11 @@ class Coordinator:
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
+        packs = self._verify_inputs([state_ref, progress_ref])
         return dict(
-            self._commit(lambda: self._state.check_save_consumer(consumer_id, token, request_id, state))
+            self._commit(
+                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs
+            )
         )
 
     def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
@@ -519,14 +545,14 @@ class Coordinator:
         plan_ref: RecordSetRef,
     ) -> dict[str, Any]:
         _text(batch_id, "batch_id")
-        self._verify_inputs([plan_ref])
+        packs = self._verify_inputs([plan_ref])
         batch = {
             "batch_id": batch_id,
             "consumer_id": consumer_id,
             "input_positions": list(input_positions),
             "plan_ref": as_dict(plan_ref),
         }
-        return dict(self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch)))
+        return dict(self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch), packs))
 
     def batch_ready(
         self,
@@ -540,11 +566,13 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
-        self._verify_inputs([ready_ref])
+        packs = self._verify_inputs([ready_ref, state_ref, progress_ref])
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
         return dict(
-            self._commit(lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state))
+            self._commit(
+                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state), packs
+            )
         )
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
@@ -555,9 +583,9 @@ class Coordinator:
         return self._query(read)  # type: ignore[no-any-return]
 
     def register_checkpoint(self, checkpoint_id: str, checkpoint_ref: RecordSetRef) -> dict[str, Any]:
-        """Record a training checkpoint's reference (a GC root once the ownership catalog lands)."""
+        """Record a training checkpoint's reference; it is a GC root until released."""
         _text(checkpoint_id, "checkpoint_id")
-        self._verify_inputs([checkpoint_ref])
+        packs = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
 
         def check() -> Event | Answer:
@@ -570,7 +598,7 @@ class Coordinator:
                 return Answer(existing)
             return {"op": "register_checkpoint", "checkpoint_id": checkpoint_id, "checkpoint_ref": ref}
 
-        return dict(self._commit(check))
+        return dict(self._commit(check, packs))
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
         def check() -> Event | Answer:
@@ -579,6 +607,47 @@ class Coordinator:
             return {"op": "release_checkpoint", "checkpoint_id": checkpoint_id}
 
         return bool(self._commit(check))
+
+    # ------------------------------------------------------------------ garbage collection
+
+    def _acknowledgements(self) -> tuple[Callable[[int], bool], set[str]]:
+        """What the ``training`` consumer processed: processed_cursor plus its progress_ref."""
+        consumer = self._state.consumers.get(TRAINING)
+        if consumer is None or consumer.state is None:
+            return (lambda position: False), set()
+        cursor = int(consumer.state["processed_cursor"])
+        positions: set[int] = set()
+        finished: set[str] = set()
+        progress = consumer.state.get("progress_ref")
+        if progress is not None:
+            records = list(self.store.read(RecordSetRef.from_dict(progress)))
+            body = decode(records[0].payload) if len(records) == 1 else None
+            if not isinstance(body, dict) or body.get("version") != 1:
+                raise UnsupportedSchema(
+                    "progress_ref must be one json.v1 record {version: 1, processed_positions, "
+                    "finished_batches}"
+                )
+            positions = {int(p) for p in body.get("processed_positions", [])}
+            finished = {str(b) for b in body.get("finished_batches", [])}
+        return (lambda position: position < cursor or position in positions), finished
+
+    def collect_garbage(self) -> dict[str, Any]:
+        """Own exactly this queue's roots in the catalog, then collect the pool (docs/GC.md).
+
+        The queue pauses while its roots are computed and recorded, so no call
+        can name a reference in between (G6).
+        """
+        with self._lock:
+            self._usable()
+            acknowledged, finished = self._acknowledgements()
+            refs = [RecordSetRef.from_dict(d) for d in self._state.roots(acknowledged, finished)]
+            packs = self.store.reach(refs)
+            self.store._queue_own(self._gc_owner, packs, replace=True)
+            self._owned = set(packs)
+        result = self.store.collect_garbage()
+        result["queue_roots"] = len(refs)
+        result["queue_packs"] = len(packs)
+        return result
 
     # ------------------------------------------------------------------ views and lifecycle
 

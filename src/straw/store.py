@@ -21,6 +21,9 @@ from typing import Any, TypeVar, cast
 
 import xxhash
 
+from ._catalog import collect as gc
+from ._catalog.log import Catalog
+from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES
 from ._fs import durable, posix
 from ._pack import frame
 from ._pack.reader import PackReader
@@ -254,6 +257,36 @@ class ReadSession:
         located = self.locate(ref)
         return self._reader.payload_range(located.segment, located.entry, located.chunk, start, stop)
 
+    def read_into(self, ref: RecordRef, target: memoryview) -> None:
+        """Fill ``target`` (a flat byte view of exactly the payload's size) with the verified payload.
+
+        One positional read straight into the caller's memory, then every chunk is checked
+        there: a tensor loads into its own freshly allocated storage with no intermediate copy.
+        """
+        located = self.locate(ref)
+        if target.nbytes != located.entry.length:
+            raise ValueError(
+                f"target holds {target.nbytes} bytes, record {located.entry.record_id!r} has "
+                f"{located.entry.length}"
+            )
+        self._reader.payload_into(located.segment, located.entry, located.chunk, target)
+
+    def read_tensor_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
+        """Payload bytes ``start:stop`` in fresh writable memory, reading and verifying only the chunks
+        they touch (like :meth:`read_range`, but the result may back a tensor without a copy)."""
+        located = self.locate(ref)
+        entry, chunk = located.entry, located.chunk
+        if entry.inline is not None or not 0 <= start <= stop <= entry.length:
+            raise ValueError(f"range {start}:{stop} outside a payload of {entry.length} bytes")
+        if start == stop:
+            return memoryview(bytearray())
+        first = start // chunk
+        low = first * chunk
+        high = min(entry.length, ((stop - 1) // chunk + 1) * chunk)
+        buffer = memoryview(bytearray(high - low))
+        self._reader.payload_into(located.segment, entry, chunk, buffer, first)
+        return buffer[start - low : stop - low]
+
 
 # --------------------------------------------------------------------------- writing helpers
 
@@ -339,6 +372,11 @@ class SharedFilesystemStore:
         self.writer_id = secrets.token_hex(16)
         self._open_pool()
         self._writer = PackWriter(backend, self.run_id, self.writer_id, segment_target_bytes)
+        self._catalog = Catalog(backend)
+        if self.online_gc:
+            # docs/GC.md: with online GC the writer records every sealed pack and its extents,
+            # so released data becomes collectable while the writer still lives.
+            self._writer.on_seal = self._record_seal
         self._lock = threading.Lock()
         self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
         self._pending: _Pending | None = None
@@ -442,7 +480,7 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> tuple[RecordRef, ...]:
             return tuple(RecordRef(segment, i) for i in range(len(entries)))
 
-        return self._commit("write_records", submission_id, fingerprint, entries, result)
+        return self._commit("write_records", submission_id, fingerprint, entries, result, [])
 
     def record_set(
         self, refs: Iterable[RecordRef], *, submission_id: str, dependencies: Iterable[RecordSetRef] = ()
@@ -472,7 +510,7 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> RecordSetRef:
             return RecordSetRef(RecordRef(segment, 0), set_digest, len(entries), payload, tokens)
 
-        return self._commit("record_set", submission_id, set_digest, [manifest_entry], result)
+        return self._commit("record_set", submission_id, set_digest, [manifest_entry], result, [0])
 
     # -- writing: machinery -------------------------------------------------------------
 
@@ -552,7 +590,7 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> list[RecordSetRef]:
             return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]
 
-        return self._commit(kind, submission_id, fingerprint, entries, result)
+        return self._commit(kind, submission_id, fingerprint, entries, result, [x[0] for x in sets])
 
     def _publication_dependencies(
         self,
@@ -593,6 +631,7 @@ class SharedFilesystemStore:
         fingerprint: str,
         entries: list[Entry],
         result: Callable[[SegmentRef], R],
+        manifests: list[int],
     ) -> R:
         """Idempotency, uncertainty and the durable write of one extent (D1/D2, I4/I5)."""
         remembered = _Remembered(kind, fingerprint, None)
@@ -609,7 +648,7 @@ class SharedFilesystemStore:
             if pending is not None:
                 return cast(R, self._resolve_pending(pending, submission_id, remembered))
             try:
-                segment = self._writer.write(entries, submission_id)
+                segment = self._writer.write(entries, submission_id, manifests)
             except CommitUncertain as uncertain:
                 value = result(uncertain.segment)
                 self._pending = _Pending(
@@ -687,6 +726,125 @@ class SharedFilesystemStore:
             finally:
                 for session in self._sessions:
                     session.close()
+                self._catalog.close()
+
+    # -- lifetime (API.md sections 5 and 8; docs/GC.md) ----------------------------------------
+
+    def _record_seal(self, relative: str, extents: dict[int, list[int]]) -> None:
+        with self._catalog.locked() as catalog:
+            catalog.append(
+                [{"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}]
+            )
+
+    def reach(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
+        """Every pack the references reach: records, manifests and dependencies, transitively."""
+        session = self._session()
+        packs: set[str] = set()
+        seen: set[tuple[str, int, int]] = set()
+        todo: list[RecordSetRef | RecordRef] = list(refs)
+        while todo:
+            ref = todo.pop()
+            if isinstance(ref, RecordRef):
+                session.locate(ref)
+                packs.add(ref.segment.path)
+                continue
+            if not isinstance(ref, RecordSetRef):
+                raise TypeError(f"expected a RecordSetRef or RecordRef, got {type(ref).__name__}")
+            key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal)
+            if key in seen:
+                continue
+            seen.add(key)
+            resolved = session.resolve(ref)
+            packs.add(ref.manifest.segment.path)
+            packs.update(r.segment.path for r in resolved.records)
+            todo.extend(resolved.dependencies)
+        return packs
+
+    @staticmethod
+    def _check_owner(owner: str) -> str:
+        _check_text(owner, "owner", SUBMISSION_ID_BYTES_MAX)
+        if owner.startswith(RESERVED_PREFIXES):
+            raise ValueError(
+                f"owner {owner!r}: names starting with {', '.join(RESERVED_PREFIXES)} are straw's own; "
+                "choose another name"
+            )
+        return owner
+
+    def _own(self, owner: str, packs: set[str], *, replace: bool) -> None:
+        """G3: record an owner's packs, refusing any pack already tombstoned."""
+        with self._catalog.locked() as catalog:
+            gone = sorted(packs & catalog.state.tombstones)
+            if gone:
+                raise InvalidReference(
+                    f"cannot retain {gone[0]}: it was garbage-collected; republish the data"
+                )
+            catalog.append([{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}])
+
+    def retain(self, owner: str, refs: Iterable[RecordSetRef | RecordRef]) -> None:
+        """Make ``owner`` the (only) reason to keep exactly what ``refs`` reach; replaces its roots."""
+        self._own(self._check_owner(owner), self.reach(refs), replace=True)
+
+    def release(self, owner: str) -> None:
+        """Drop an owner; what only it reached becomes collectable."""
+        self._check_owner(owner)
+        self._release(owner)
+
+    def _release(self, owner: str) -> None:
+        with self._catalog.locked() as catalog:
+            if owner not in catalog.state.owners:
+                raise KeyError(f"unknown owner {owner!r}: it was never retained or is already released")
+            catalog.append([{"op": "release", "owner": owner}])
+
+    def release_publications(self, refs: Iterable[RecordSetRef]) -> None:
+        """End the staging of publications (they stay alive only through owners from now on)."""
+        session = self._session()
+        items: set[tuple[str, int, int]] = set()
+        for ref in refs:
+            if not isinstance(ref, RecordSetRef):
+                raise TypeError(f"release_publications takes RecordSetRef, got {type(ref).__name__}")
+            resolved = session.resolve(ref)
+            segment = ref.manifest.segment
+            items.add((segment.path, segment.offset, ref.manifest.ordinal))
+            for located in resolved.records:
+                if (located.segment.path, located.segment.offset) != (segment.path, segment.offset):
+                    items.add((located.segment.path, located.segment.offset, RECORDS_ONLY))
+        if items:
+            with self._catalog.locked() as catalog:
+                catalog.append([{"op": "unstage", "items": [list(x) for x in sorted(items)]}])
+
+    @contextlib.contextmanager
+    def pin(self, refs: Iterable[RecordSetRef | RecordRef], *, owner: str | None = None) -> Iterator[str]:
+        """Keep what ``refs`` reach alive for the ``with`` block (an owner released on exit)."""
+        name = self._check_owner(owner) if owner is not None else f"pin:{secrets.token_hex(16)}"
+        self._own(name, self.reach(refs), replace=True)
+        try:
+            yield name
+        finally:
+            self._release(name)
+
+    def collect_garbage(self) -> dict[str, Any]:
+        """Reclaim sealed packs that no owner reaches and whose staging is over (G4, G5)."""
+        try:
+            return gc.collect(
+                self._catalog, self.backend, self.writer_id if not self._writer.closed else None
+            )
+        except OSError as error:
+            raise posix.storage_error(error, "collecting garbage") from error
+
+    def explain(self, pack: str) -> dict[str, Any]:
+        """Why a pack (``raw/<writer>/<segment>.pack``) is kept: its owners, seal and staging."""
+        with self._catalog.locked() as catalog:
+            answer = catalog.state.why(pack)
+        answer["exists"] = os.path.exists(self.backend.resolve(pack))
+        return answer
+
+    def _queue_own(self, owner: str, packs: set[str], *, replace: bool) -> None:
+        """Owners of straw's own layers (queues) may use the reserved names."""
+        self._own(owner, packs, replace=replace)
+
+    def _owned(self, owner: str) -> set[str]:
+        with self._catalog.locked() as catalog:
+            return set(catalog.state.owners.get(owner, set()))
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import random
 import subprocess
 from collections.abc import Callable, Iterator
@@ -194,7 +195,7 @@ def test_missing_file_waits_along_the_delays_then_raises_storage_unavailable(
 def test_missing_writer_directory_waits_then_raises_storage_unavailable(tmp_path: Path) -> None:
     root = tmp_path / "pool"
     ref = _missing_ref(root)
-    os.rmdir((root / path_of(ref)).parent)
+    shutil.rmtree((root / path_of(ref)).parent)  # the pack is gone; the writer's LIVE file goes too
     slept: list[float] = []
     store = open_store(root, backend=FilesystemBackend(root, sleep=slept.append))
     with pytest.raises(StorageUnavailable, match=path_of(ref)):

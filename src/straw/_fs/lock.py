@@ -34,3 +34,17 @@ def unlock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def lock_exclusive(fd: int) -> None:
+    """Wait for an exclusive lock on an open descriptor (cross-client on JuiceFS, A8)."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def unlock_only(fd: int) -> None:
+    """Release a lock taken by :func:`lock_exclusive`, keeping the descriptor open."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def open_lock_file(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)

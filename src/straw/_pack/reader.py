@@ -213,6 +213,47 @@ class PackReader:
         chunks = self._verified(segment.path, segment.segment_id, hi - lo, entry.offset + lo, check)
         return memoryview(chunks)[start - lo : stop - lo]
 
+    def payload_into(
+        self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int, target: memoryview, first: int = 0
+    ) -> None:
+        """Fill ``target`` with payload bytes from chunk ``first`` on, verifying every chunk it holds.
+
+        The bytes land straight in the caller's memory (one positional vectored read, no
+        intermediate object). ``target`` must be a flat byte view that ends on a chunk boundary
+        or at the payload's end, so that every chunk it holds is whole and can be checked.
+        """
+        if entry.inline is not None:
+            raise ValueError(f"record {entry.record_id!r} is an inline manifest, not a stored payload")
+        start = first * chunk
+        end = start + target.nbytes
+        if first < 0 or end > entry.length or (end != entry.length and end % chunk):
+            raise ValueError(
+                f"target of {target.nbytes} bytes at chunk {first} does not cover whole chunks of a "
+                f"payload of {entry.length} bytes"
+            )
+        if not target.nbytes:
+            return
+        handle = self._open(segment.path, segment.segment_id)
+        for retry in (False, True):
+            try:
+                got = posix.preadinto(handle.fd, target, entry.offset + start)
+            except OSError as error:
+                raise posix.storage_error(error, f"reading {segment.path}") from error
+            try:
+                if got != target.nbytes:
+                    raise CorruptData(
+                        f"truncated: {segment.path} ends before byte {entry.offset + end} "
+                        f"(read {got} of {target.nbytes})"
+                    )
+                _verify_chunks(target, entry, chunk, first, segment.path)
+                return
+            except CorruptData:
+                if retry:
+                    raise
+            # A6: a stale descriptor on a shared mount; retry once on a fresh one.
+            self._forget(segment.path)
+            handle = self._open(segment.path, segment.segment_id)
+
 
 def _verify_chunks(view: memoryview, entry: frame.IndexEntry, chunk: int, first: int, path: str) -> None:
     digest = xxhash.xxh3_64_hexdigest

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from .._fs import durable, posix
+from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
@@ -60,6 +60,15 @@ class _OpenPack:
     relative: str
     size: int
     extents: int
+    #: Index-frame offset -> manifest ordinals of each extent (for the catalog's staging).
+    manifests: dict[int, list[int]] = field(default_factory=dict)
+
+
+#: Called with (pack path, extents) once a pack is sealed (the store records it in the catalog).
+SealHook = Callable[[str, dict[int, list[int]]], None]
+
+#: Name of the per-writer liveness lock file (docs/GC.md): held while the writer lives.
+LIVE_FILE = "LIVE"
 
 
 class PackWriter:
@@ -77,12 +86,16 @@ class PackWriter:
         self._pack: _OpenPack | None = None
         self._closed = False
         self._directory_durable = False
+        self._live_fd = -1
+        self.on_seal: SealHook | None = None
         self.packs_created = 0
         self.bytes_written = 0
 
     # -- public ------------------------------------------------------------------
 
-    def write(self, entries: Sequence[Entry], submission_id: str) -> SegmentRef:
+    def write(
+        self, entries: Sequence[Entry], submission_id: str, manifests: Sequence[int] = ()
+    ) -> SegmentRef:
         """Durably write one extent; returns the SegmentRef of its index frame.
 
         Raises the original error when nothing became visible (the write failed),
@@ -92,17 +105,17 @@ class PackWriter:
             raise WriterFenced(f"writer {self.writer_id} is closed; open a new store to write")
         self.backend.fault("before_publish")
         if self.segment_target_bytes == 0:
-            return self._write_new_file(entries, submission_id, standalone=True)
+            return self._write_new_file(entries, submission_id, manifests, standalone=True)
         pack = self._pack
         if pack is not None:
             layout = self._layout(entries, submission_id, pack.size)
             extent_end = layout[1] + layout[2]
             # D3: rotate before crossing the target, unless the pack is empty (a big extent stays whole).
             if not pack.extents or extent_end <= self.segment_target_bytes:
-                return self._append(pack, layout)
+                return self._append(pack, layout, manifests)
             self.backend.fault("before_rotate")
             self.seal()
-        return self._write_new_file(entries, submission_id, standalone=False)
+        return self._write_new_file(entries, submission_id, manifests, standalone=False)
 
     def seal(self) -> None:
         """D4: append a seal frame to the current pack, sync it, and stop appending there."""
@@ -118,6 +131,8 @@ class PackWriter:
             self.backend.fault("after_seal_sync")
         finally:
             posix.close_quietly(pack.fd)
+        if self.on_seal is not None:
+            self.on_seal(pack.relative, pack.manifests)
 
     def abandon(self) -> None:
         """Stop appending to the current pack without writing to it (after a failed write)."""
@@ -126,12 +141,16 @@ class PackWriter:
             self._pack = None
 
     def close(self) -> None:
+        """Seal the open pack and release the liveness lock (the writer is dead from here on)."""
         if self._closed:
             return
         try:
             self.seal()
         finally:
             self._closed = True
+            if self._live_fd >= 0:
+                lock.unlock(self._live_fd)
+                self._live_fd = -1
 
     @property
     def closed(self) -> bool:
@@ -188,7 +207,9 @@ class PackWriter:
             offset=offset,
         )
 
-    def _append(self, pack: _OpenPack, layout: tuple[list[posix.Buffer], int, int, str]) -> SegmentRef:
+    def _append(
+        self, pack: _OpenPack, layout: tuple[list[posix.Buffer], int, int, str], manifests: Sequence[int]
+    ) -> SegmentRef:
         buffers, index_offset, index_size, sum_hex = layout
         segment = self._segment(pack.relative, pack.segment_id, index_offset, index_size, sum_hex)
         try:
@@ -203,6 +224,7 @@ class PackWriter:
             raise
         pack.size += written
         pack.extents += 1
+        pack.manifests[index_offset] = list(manifests)
         self.bytes_written += written
         invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
         try:
@@ -212,7 +234,7 @@ class PackWriter:
         return segment
 
     def _write_new_file(
-        self, entries: Sequence[Entry], submission_id: str, *, standalone: bool
+        self, entries: Sequence[Entry], submission_id: str, manifests: Sequence[int], *, standalone: bool
     ) -> SegmentRef:
         """D2: write the first extent of a new pack to a temporary name, sync, rename, sync dir."""
         root = str(self.backend.root)
@@ -223,6 +245,12 @@ class PackWriter:
             durable.make_dirs(directory, root, self.backend.sync_dir)
             self.backend.sync_dir(os.path.dirname(directory))
             self._directory_durable = True
+        if self._live_fd < 0:
+            # docs/GC.md: the liveness lock exists before any file of this writer does, so a
+            # collector that can take it knows the writer is dead.
+            live = lock.try_lock_exclusive(os.path.join(directory, LIVE_FILE))
+            invariant(live is not None, "a fresh writer id's liveness lock is free")
+            self._live_fd = live if live is not None else -1
         segment_id = secrets.token_hex(16)
         suffix = STANDALONE_SUFFIX if standalone else PACK_SUFFIX
         relative = f"{self.directory}/{segment_id}{suffix}"
@@ -252,14 +280,17 @@ class PackWriter:
         # The pack is visible from here on: failures are uncertain, not failed (D2.5).
         self.packs_created += 1
         self.bytes_written += written
+        extents = {index_offset: list(manifests)}
         if standalone:
             posix.close_quietly(fd)
         else:
-            self._pack = _OpenPack(fd, segment_id, relative, size, 1)
+            self._pack = _OpenPack(fd, segment_id, relative, size, 1, extents)
         try:
             self.backend.fault("before_dir_sync")
             self.backend.sync_dir(directory)
             self.backend.fault("after_dir_sync")
+            if standalone and self.on_seal is not None:
+                self.on_seal(relative, extents)
         except BaseException as error:
             raise CommitUncertain(segment, directory, error) from error
         return segment

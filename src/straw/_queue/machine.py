@@ -28,7 +28,7 @@ from ..errors import (
     invariant,
 )
 from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode
-from .index import PendingIndex, pending_key
+from .index import Key, PendingIndex, pending_key
 
 Event = dict[str, Any]
 NewId = Callable[[], str]
@@ -293,7 +293,7 @@ class QueueState:
             (deadline, task_id, attempt_id), at = heapq.heappop(walk)
             if deadline > now:
                 break
-            if self._live_entry(deadline, task_id, attempt_id):
+            if self._live_entry(deadline, task_id, attempt_id) and [task_id, attempt_id] not in found:
                 found.append([task_id, attempt_id])
             for child in (2 * at + 1, 2 * at + 2):
                 if child < len(heap):
@@ -325,25 +325,28 @@ class QueueState:
         if self.draining:
             return Answer("draining")
         reclaimed = self.expired(now)
-        returning = {pair[0] for pair in reclaimed}
+        # Reclaimed leases rejoin the FIFO tail (in this order, as _reclaim will enqueue them)
+        # before the grants are chosen, so they compete with pending tasks by their full key.
+        coming_back: dict[str, Key] = {}
+        order = self.next_order
+        for task_id, _ in reclaimed:
+            task = self.tasks[task_id]
+            if task.failures + 1 < task.spec.max_attempts:
+                spec = task.spec
+                coming_back[task_id] = pending_key(spec.priority, spec.scheduling_key, order, task_id)
+                order += 1
         index = self.control if control else self.pending
+        eligible = {t: k for t, k in coming_back.items() if self.tasks[t].spec.control == control}
         if task_ids is not None:
             if isinstance(task_ids, str):
                 raise TypeError("task_ids must be a collection of task ids, not one string")
-            chosen = [t for t in dict.fromkeys(task_ids) if self._acquirable(t, index, returning, control)]
-            chosen = chosen[:max_tasks]
+            # Named tasks are granted in the order the caller named them.
+            chosen = [t for t in dict.fromkeys(task_ids) if t in index or t in eligible][:max_tasks]
         else:
-            # Returning tasks join the FIFO tail, so they come after what is already pending.
-            chosen = index.with_prefix(task_prefix, max_tasks) if task_prefix else index.first(max_tasks)
-            if len(chosen) < max_tasks:
-                extra = [
-                    t
-                    for t in sorted(returning, key=lambda t: self.tasks[t].deadline)
-                    if self.tasks[t].spec.control == control
-                    and (not task_prefix or t.startswith(task_prefix))
-                    and self._can_lease_again(t, returning)
-                ]
-                chosen += extra[: max_tasks - len(chosen)]
+            head = index.with_prefix(task_prefix, max_tasks) if task_prefix else index.first(max_tasks)
+            keys = [index.key(t) for t in head]
+            keys += [k for t, k in eligible.items() if not task_prefix or t.startswith(task_prefix)]
+            chosen = [key[3] for key in sorted(keys)[:max_tasks]]
         if not chosen and not reclaimed:
             return Answer(self._idle_status())
         grants = [[t, new_id(), new_id()] for t in chosen]
@@ -355,21 +358,6 @@ class QueueState:
             "deadline": now + lease_seconds,
         }
 
-    def _acquirable(self, task_id: str, index: PendingIndex, returning: set[str], control: bool) -> bool:
-        if task_id in index:
-            return True
-        return (
-            task_id in returning
-            and self.tasks[task_id].spec.control == control
-            and self._can_lease_again(task_id, returning)
-        )
-
-    def _can_lease_again(self, task_id: str, returning: set[str]) -> bool:
-        task = self.tasks[task_id]
-        if task_id in returning:
-            return task.failures + 1 < task.spec.max_attempts
-        return True
-
     def _idle_status(self) -> str:
         if self.sealed and not len(self.pending) and not self.counts[LEASED]:
             return "end_of_input"
@@ -380,8 +368,8 @@ class QueueState:
         leases = []
         for task_id, attempt_id, token in event["grants"]:
             task = self.tasks[task_id]
+            self._move(task, "acquire", LEASED)  # checks the transition before touching the index
             self._dequeue(task)
-            self._move(task, "acquire", LEASED)
             task.generation += 1
             task.lease = Lease(
                 run_id=self.run_id,
@@ -431,8 +419,10 @@ class QueueState:
             except InvalidReference:
                 outcomes.append("StaleAttempt")
                 continue
-            task.deadline = now + lease_seconds
-            heapq.heappush(self.expiry, (task.deadline, lease.task_id, lease.attempt_id))
+            deadline = now + lease_seconds
+            if deadline != task.deadline:
+                task.deadline = deadline
+                heapq.heappush(self.expiry, (deadline, lease.task_id, lease.attempt_id))
             outcomes.append(EXTENDED)
         return outcomes
 
@@ -546,7 +536,10 @@ class QueueState:
 
     def check_release(self, leases: Sequence[Lease], request_id: str, now: float) -> Event | Answer:
         leases = list(leases)
-        fingerprint = digest(["release", self._lease_pairs(leases)])
+        pairs = self._lease_pairs(leases)
+        if len({tuple(p) for p in pairs}) != len(pairs):
+            raise ValueError("release_tasks got the same lease twice")
+        fingerprint = digest(["release", pairs])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(list(reply[1]))
@@ -840,6 +833,34 @@ class QueueState:
         handler = _APPLY.get(event.get("op", ""))
         invariant(handler is not None, f"event op {event.get('op')!r} is known")
         return handler(self, event)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ GC roots
+
+    def roots(self, acknowledged: Callable[[int], bool], finished: set[str]) -> list[dict[str, Any]]:
+        """References the queue still needs (docs/GC.md "Queue roots"), as dicts.
+
+        ``acknowledged(position)`` says whether the training consumer processed
+        that accepted result; ``finished`` names batches it finished.
+        """
+        refs: list[dict[str, Any]] = []
+        for task in self.tasks.values():
+            if task.state in (PENDING, LEASED) and task.spec.input_ref is not None:
+                refs.append(as_dict(task.spec.input_ref))
+        for task_id, _ in self.reads:
+            spec = self.tasks[task_id].spec
+            if spec.input_ref is not None:
+                refs.append(as_dict(spec.input_ref))
+        for receipt in self.commits:
+            if not acknowledged(receipt["position"]):
+                refs.append(receipt["result_ref"])
+        for consumer in self.consumers.values():
+            if consumer.state is not None:
+                refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]
+        for batch_id, batch in self.batches.items():
+            if batch_id not in finished:
+                refs += [batch[k] for k in ("plan_ref", "ready_ref") if batch.get(k) is not None]
+        refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
+        return refs
 
     # ------------------------------------------------------------------ views
 

@@ -1,0 +1,131 @@
+"""Garbage collection: find dead writers, tombstone what nobody needs, unlink it (G4, G5).
+
+Runs inside the catalog lock, so collectors on several clients reclaim each
+pack exactly once. Order per pack: tombstone durable in the catalog, then
+unlink, then directory sync; a crash in between leaves a tombstoned file that
+the next collection unlinks (ENOENT after a tombstone counts as done).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._fs import lock, posix
+from ..backend import FilesystemBackend
+from .log import Catalog, describe
+from .state import Event
+
+_WRITER = re.compile(r"[0-9a-f]{32}")
+_PACK = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
+LIVE_FILE = "LIVE"
+
+
+@dataclass
+class _Scan:
+    on_disk: dict[str, int] = field(default_factory=dict)  # pack path -> bytes
+    temps: list[str] = field(default_factory=list)  # temporary files of dead writers
+    dead_locks: list[int] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    live_writers: set[str] = field(default_factory=set)
+
+
+def _scan(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) -> _Scan:
+    """List every pack; decide which writers are dead (their liveness lock is free)."""
+    state = catalog.state
+    raw = os.path.join(str(backend.root), "raw")
+    scan = _Scan()
+    try:
+        writers = sorted(os.listdir(raw))
+    except FileNotFoundError:
+        return scan
+    for writer in writers:
+        if not _WRITER.fullmatch(writer):
+            continue
+        directory = os.path.join(raw, writer)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            continue
+        alive = _alive(writer, directory, names, own_writer, state.dead_writers, scan)
+        for name in names:
+            relative = f"raw/{writer}/{name}"
+            if _PACK.fullmatch(name):
+                try:
+                    scan.on_disk[relative] = os.path.getsize(os.path.join(directory, name))
+                except FileNotFoundError:
+                    continue
+                info = state.packs.get(relative)
+                if not alive and (info is None or not info.sealed):
+                    # G5: the writer died with this pack open; its staging ends with it.
+                    scan.events.append({"op": "seal", "pack": relative, "extents": None})
+            elif name.endswith(".tmp") and not alive:
+                scan.temps.append(os.path.join(directory, name))
+        if alive:
+            scan.live_writers.add(writer)
+    return scan
+
+
+def _alive(
+    writer: str, directory: str, names: list[str], own: str | None, dead: set[str], scan: _Scan
+) -> bool:
+    if writer == own:
+        return True
+    if writer in dead:
+        return False
+    if LIVE_FILE not in names:
+        return True  # a writer that is starting: it takes its lock before it writes any file
+    fd = lock.try_lock_exclusive(os.path.join(directory, LIVE_FILE))
+    if fd is None:
+        return True
+    scan.dead_locks.append(fd)
+    scan.events.append({"op": "writer_dead", "writer": writer})
+    return False
+
+
+def collect(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) -> dict[str, Any]:
+    """One collection pass; returns what it reclaimed and what it kept."""
+    with catalog.locked() as cat:
+        scan = _scan(cat, backend, own_writer)
+        try:
+            cat.append(scan.events)  # G5 before G4: deaths and seals are durable first
+            state = cat.state
+            leftover = sorted(p for p in scan.on_disk if p in state.tombstones)
+            victims = state.collectable(scan.on_disk)
+            if victims:
+                backend.fault("before_tombstone")
+                cat.append([{"op": "tombstone", "packs": victims}])  # G4.1
+                backend.fault("after_tombstone")
+            files, size, touched = 0, 0, set()
+            for path in leftover + victims:
+                backend.fault("before_unlink")
+                try:
+                    posix.unlink(os.path.join(str(backend.root), path))  # G4.2
+                    files += 1
+                    size += scan.on_disk[path]
+                except FileNotFoundError:
+                    pass  # G4.3: gone already (another client, or a stale listing): done
+                touched.add(os.path.dirname(os.path.join(str(backend.root), path)))
+            for directory in sorted(touched):
+                backend.sync_dir(directory)
+            for temp in scan.temps:
+                posix.unlink_quietly(temp)
+            gone = sorted(p for p in state.tombstones if p not in scan.on_disk and p not in state.reclaimed)
+            cat.append([{"op": "reclaimed", "packs": sorted(set(leftover) | set(victims) | set(gone))}])
+        finally:
+            for fd in scan.dead_locks:
+                lock.unlock(fd)
+        kept = [p for p in scan.on_disk if p not in leftover and p not in victims]
+        open_packs = sum(1 for p in kept if p not in state.packs or not state.packs[p].sealed)
+        return {
+            "reclaimed_files": files,
+            "reclaimed_bytes": size,
+            "retained_packs": len(kept) - open_packs,
+            "open_packs": open_packs,
+            "owners": len(state.owners),
+            "tombstones": len(state.tombstones),
+            "dead_writers_found": sum(1 for e in scan.events if e["op"] == "writer_dead"),
+            "catalog": describe(state),
+        }

@@ -1,0 +1,183 @@
+"""The catalog's state and the pure garbage-collection decision (docs/GC.md).
+
+A pack may be reclaimed only when it is sealed, no owner reaches it, and its
+staging is over: every extent's publications were released, or its writer is
+dead. Nothing here touches the filesystem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import invariant
+
+Event = dict[str, Any]
+
+#: Owner names an application may not use: straw's own owners live there.
+RESERVED_PREFIXES = ("queue:", "staging:", "pin:")
+
+#: Ordinal meaning "the records of an extent without a manifest" (write_records).
+RECORDS_ONLY = -1
+
+
+def writer_of(path: str) -> str:
+    """The writer id in a pack path ``raw/<writer>/<segment>.pack``."""
+    parts = path.split("/")
+    return parts[1] if len(parts) == 3 else ""
+
+
+@dataclass
+class PackInfo:
+    """What the catalog knows of one pack: its writer and, once sealed, its extents."""
+
+    writer: str
+    sealed: bool = False
+    #: Index-frame offset -> manifest ordinals of that extent (None: sealed by a collector
+    #: after the writer died, so staging is over for every extent).
+    extents: dict[int, list[int]] | None = None
+    released: set[tuple[int, int]] = field(default_factory=set)
+
+
+@dataclass
+class CatalogState:
+    owners: dict[str, set[str]] = field(default_factory=dict)
+    packs: dict[str, PackInfo] = field(default_factory=dict)
+    dead_writers: set[str] = field(default_factory=set)
+    tombstones: set[str] = field(default_factory=set)
+    reclaimed: set[str] = field(default_factory=set)
+
+    # -- events ------------------------------------------------------------------
+
+    def apply(self, event: Mapping[str, Any]) -> None:
+        op = event.get("op")
+        handler = _HANDLERS.get(op if isinstance(op, str) else "")
+        invariant(handler is not None, f"catalog event {op!r} is known")
+        handler(self, event)  # type: ignore[misc]
+
+    def _retain(self, event: Mapping[str, Any]) -> None:
+        self.owners[event["owner"]] = set(event["packs"])
+
+    def _add(self, event: Mapping[str, Any]) -> None:
+        self.owners.setdefault(event["owner"], set()).update(event["packs"])
+
+    def _release(self, event: Mapping[str, Any]) -> None:
+        self.owners.pop(event["owner"], None)
+
+    def _pack(self, path: str) -> PackInfo:
+        info = self.packs.get(path)
+        if info is None:
+            info = self.packs[path] = PackInfo(writer_of(path))
+        return info
+
+    def _seal(self, event: Mapping[str, Any]) -> None:
+        info = self._pack(event["pack"])
+        info.sealed = True
+        extents = event.get("extents")
+        info.extents = {int(k): list(v) for k, v in extents.items()} if extents is not None else None
+
+    def _unstage(self, event: Mapping[str, Any]) -> None:
+        for path, offset, ordinal in event["items"]:
+            self._pack(path).released.add((offset, ordinal))
+
+    def _writer_dead(self, event: Mapping[str, Any]) -> None:
+        self.dead_writers.add(event["writer"])
+
+    def _tombstone(self, event: Mapping[str, Any]) -> None:
+        self.tombstones.update(event["packs"])
+
+    def _reclaimed(self, event: Mapping[str, Any]) -> None:
+        self.reclaimed.update(event["packs"])
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def reached(self) -> dict[str, list[str]]:
+        """Pack -> owners that reach it."""
+        out: dict[str, list[str]] = {}
+        for owner, packs in self.owners.items():
+            for path in packs:
+                out.setdefault(path, []).append(owner)
+        return out
+
+    def staging_over(self, path: str) -> bool:
+        info = self.packs.get(path)
+        if info is None or not info.sealed:
+            return False
+        if info.writer in self.dead_writers or info.extents is None:
+            return True
+        for offset, manifests in info.extents.items():
+            needed = manifests if manifests else [RECORDS_ONLY]
+            if any((offset, ordinal) not in info.released for ordinal in needed):
+                return False
+        return True
+
+    def collectable(self, on_disk: Iterable[str]) -> list[str]:
+        """Packs present on disk that may be tombstoned now (sealed, unowned, staging over)."""
+        reached = self.reached()
+        return sorted(
+            path
+            for path in on_disk
+            if path not in self.tombstones and path not in reached and self.staging_over(path)
+        )
+
+    def why(self, path: str) -> dict[str, Any]:
+        """Why a pack is (or is not) retained: the owners that reach it and its staging."""
+        info = self.packs.get(path)
+        return {
+            "pack": path,
+            "owners": sorted(self.reached().get(path, [])),
+            "sealed": bool(info and info.sealed),
+            "writer": writer_of(path),
+            "writer_dead": bool(info and info.writer in self.dead_writers),
+            "staging_over": self.staging_over(path),
+            "tombstoned": path in self.tombstones,
+        }
+
+    # -- snapshot --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": 1,
+            "owners": {k: sorted(v) for k, v in self.owners.items()},
+            "packs": {
+                k: [
+                    i.writer,
+                    i.sealed,
+                    {str(o): m for o, m in i.extents.items()} if i.extents is not None else None,
+                    sorted([list(x) for x in i.released]),
+                ]
+                for k, i in self.packs.items()
+            },
+            "dead_writers": sorted(self.dead_writers),
+            "tombstones": sorted(self.tombstones),
+            "reclaimed": sorted(self.reclaimed),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CatalogState:
+        state = cls()
+        state.owners = {k: set(v) for k, v in data["owners"].items()}
+        for path, (writer, sealed, extents, released) in data["packs"].items():
+            state.packs[path] = PackInfo(
+                writer,
+                sealed,
+                {int(o): list(m) for o, m in extents.items()} if extents is not None else None,
+                {(o, n) for o, n in released},
+            )
+        state.dead_writers = set(data["dead_writers"])
+        state.tombstones = set(data["tombstones"])
+        state.reclaimed = set(data["reclaimed"])
+        return state
+
+
+_HANDLERS = {
+    "retain": CatalogState._retain,
+    "add": CatalogState._add,
+    "release": CatalogState._release,
+    "seal": CatalogState._seal,
+    "unstage": CatalogState._unstage,
+    "writer_dead": CatalogState._writer_dead,
+    "tombstone": CatalogState._tombstone,
+    "reclaimed": CatalogState._reclaimed,
+}

@@ -1,0 +1,25 @@
+"""The sample codec: whole nested samples as one publication, never pickle.
+
+``publish(store, sample, submission_id=...)`` stores nested dicts, lists, tuples, scalars,
+bytes, NumPy arrays and scalars, torch tensors, PIL images, enums and dataclasses (with
+extra instance attributes) as one sample.v1 document plus typed tensor records, and returns
+a small picklable :class:`PayloadRef`; ``PayloadRef.load()`` rebuilds the sample, with
+tensors as lazy ``TensorRef``s unless ``materialize=True``. Format: docs/FORMAT.md section 10.
+"""
+
+from __future__ import annotations
+
+from .payload import BYTES_CODEC, SAMPLE_CODEC, PayloadRef, load, publish, publish_many
+from .schema import SCHEMA_VERSION, decode_sample, encode_sample
+
+__all__ = [
+    "BYTES_CODEC",
+    "SAMPLE_CODEC",
+    "SCHEMA_VERSION",
+    "PayloadRef",
+    "decode_sample",
+    "encode_sample",
+    "load",
+    "publish",
+    "publish_many",
+]

@@ -1,0 +1,549 @@
+"""Tensors as verified, lazily loaded records (API.md section 6; docs/FORMAT.md section 10).
+
+A tensor is one record with codec ``tensor.v1``: the payload is the tensor's raw
+C-contiguous little-endian bytes, written straight from its memory, and the metadata
+``{"tensor": {"dtype", "shape", "kind"}}`` describes it. The store's per-chunk checksums
+make row slices cheap: ``ref[a:b]`` reads and verifies only the chunks covering those
+rows. A full ``load`` allocates the result tensor first and reads into its storage.
+
+A :class:`TensorRef` is a small frozen value with no file handle and no absolute path. To
+read, it needs the pool: an explicit ``reader=`` (a read session or a store), else a pool
+attached in this process. Every store passed to a function of this module is attached
+automatically; another process attaches the pool's mount path with :func:`attach` or lists
+it in the ``STRAW_POOL_ROOTS`` environment variable (``os.pathsep``-separated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .backend import FilesystemBackend
+from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
+from .protocol import Record, RecordRef, RecordSetRef
+from .store import ReadSession, SharedFilesystemStore
+
+__all__ = ["DTYPES", "POOL_ROOTS_ENV", "TENSOR_CODEC", "TensorRef", "attach", "detach", "publish_tensors"]
+
+#: Codec name of tensor records (docs/FORMAT.md section 10).
+TENSOR_CODEC = "tensor.v1"
+
+#: Environment variable naming pool mount paths a process may read tensors from.
+POOL_ROOTS_ENV = "STRAW_POOL_ROOTS"
+
+#: Storage dtype (little-endian) of every supported element type. bfloat16 has no NumPy
+#: dtype: its bytes travel as 16-bit integers and PyTorch reinterprets them.
+_STORAGE: dict[str, np.dtype[Any]] = {
+    "uint8": np.dtype("u1"),
+    "int8": np.dtype("i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<i2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "bool": np.dtype("?"),
+}
+DTYPES = tuple(_STORAGE)
+_NUMPY_NAMES = {dtype.newbyteorder("="): name for name, dtype in _STORAGE.items() if name != "bfloat16"}
+
+#: Most dimensions of a stored tensor (PyTorch's own limit is 64 too).
+TENSOR_DIMS_MAX = 64
+#: Longest kind name in UTF-8 bytes.
+KIND_BYTES_MAX = 256
+
+
+# --------------------------------------------------------------------------- pools of this process
+
+
+class _Pool:
+    """One attached pool: its backend and a read session per (thread, run)."""
+
+    def __init__(self, backend: FilesystemBackend) -> None:
+        self.backend = backend
+        self.root = str(backend.root)
+        self._local = threading.local()
+        self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
+
+    def session(self, run_id: str) -> ReadSession:
+        sessions: dict[str, ReadSession] | None = getattr(self._local, "sessions", None)
+        if sessions is None:
+            sessions = self._local.sessions = {}
+        session = sessions.get(run_id)
+        if session is None:
+            session = sessions[run_id] = ReadSession(self.backend, run_id)
+            # A thread that ends drops its sessions; close their descriptors then.
+            weakref.finalize(session, session.close)
+            self._sessions.add(session)
+        return session
+
+    def holds(self, writer: str) -> bool:
+        return os.path.isdir(os.path.join(self.root, "raw", writer))
+
+    def close(self) -> None:
+        for session in list(self._sessions):
+            session.close()
+
+
+_pools: dict[str, _Pool] = {}
+_writers: dict[str, _Pool] = {}  # writer id -> the attached pool holding its directory
+_pools_lock = threading.Lock()
+_env_seen: list[str | None] = [None]
+
+
+def attach(pool: SharedFilesystemStore | FilesystemBackend | str | os.PathLike[str]) -> None:
+    """Let references of this process read from ``pool`` (a store, a backend or a mount path).
+
+    Attaching opens nothing; reads open the packs they need. The first attachment of a root
+    wins: a later store on the same root reuses the attached pool.
+    """
+    if isinstance(pool, SharedFilesystemStore):
+        backend = pool.backend
+    elif isinstance(pool, FilesystemBackend):
+        backend = pool
+    else:
+        backend = FilesystemBackend(pool)
+    root = str(backend.root)
+    if root in _pools:
+        return
+    with _pools_lock:
+        _pools.setdefault(root, _Pool(backend))
+
+
+def detach(root: str | os.PathLike[str]) -> None:
+    """Forget an attached pool and close the descriptors its read sessions hold."""
+    key = os.path.abspath(os.fspath(root))
+    with _pools_lock:
+        pool = _pools.pop(key, None)
+        for writer in [w for w, p in _writers.items() if p is pool]:
+            del _writers[writer]
+    if pool is not None:
+        pool.close()
+
+
+def _attach_environment() -> None:
+    value = os.environ.get(POOL_ROOTS_ENV)
+    if value == _env_seen[0]:
+        return
+    _env_seen[0] = value
+    for root in (value or "").split(os.pathsep):
+        if root:
+            attach(root)
+
+
+def _pool_of(ref: RecordRef) -> _Pool:
+    segment = ref.segment
+    parts = segment.path.split("/") if isinstance(segment.path, str) else []
+    writer = parts[1] if len(parts) == 3 else ""
+    pool = _writers.get(writer)
+    if pool is not None:
+        return pool
+    _attach_environment()
+    pools = list(_pools.values())
+    holding = [p for p in pools if writer and p.holds(writer)]
+    if holding:
+        with _pools_lock:
+            _writers[writer] = holding[0]
+        return holding[0]
+    if len(pools) == 1:
+        return pools[0]  # not visible yet on this client: the read retries, then reports it
+    if not pools:
+        raise InvalidReference(
+            f"no pool is attached in this process to read {segment.path} of run {segment.run_id!r}: "
+            f"pass reader=, call straw.tensor.attach(<pool mount path>) or set {POOL_ROOTS_ENV}"
+        )
+    raise InvalidReference(
+        f"none of the attached pools ({', '.join(sorted(_pools))}) holds {segment.path}; "
+        "attach the pool that does or pass reader="
+    )
+
+
+def reader_for(ref: RecordRef, reader: ReadSession | SharedFilesystemStore | None = None) -> ReadSession:
+    """The read session to use for ``ref``: ``reader`` itself, or a session of an attached pool."""
+    if isinstance(reader, ReadSession):
+        return reader
+    if isinstance(reader, SharedFilesystemStore):
+        attach(reader)
+        return _pools[str(reader.backend.root)].session(ref.segment.run_id)
+    if reader is not None:
+        raise TypeError(
+            f"reader must be a ReadSession or a SharedFilesystemStore, got {type(reader).__name__}"
+        )
+    if not isinstance(ref, RecordRef):
+        raise InvalidReference(f"expected a RecordRef, got {type(ref).__name__}")
+    return _pool_of(ref).session(ref.segment.run_id)
+
+
+@contextlib.contextmanager
+def naming(what: str) -> Iterator[None]:
+    """Re-raise a storage failure with the reference it was reading in the message."""
+    try:
+        yield
+    except StorageUnavailable as error:
+        raise type(error)(f"{what} cannot be read: {error}") from error
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedSchema(
+            "this needs PyTorch, which is not installed (pip install 'straw[torch]'); "
+            "TensorRef.numpy() reads tensors without it"
+        ) from None
+    return torch
+
+
+def is_torch_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch.Tensor, without importing torch when nobody else has."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def tensor_bytes(value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
+    """A flat byte view of a NumPy array's or torch tensor's memory, its dtype name and shape.
+
+    No copy for C-contiguous little-endian CPU input; other layouts are made contiguous
+    (one copy), CUDA tensors are copied to the CPU. Unsupported dtypes raise UnsupportedSchema.
+    """
+    if sys.byteorder != "little":
+        raise UnsupportedSchema("tensor.v1 stores little-endian bytes; this host is big-endian")
+    if isinstance(value, np.ndarray):
+        name = _NUMPY_NAMES.get(value.dtype.newbyteorder("="))
+        if name is None:
+            raise UnsupportedSchema(
+                f"NumPy dtype {value.dtype} is not supported (supported: {', '.join(DTYPES)})"
+            )
+        shape = tuple(int(n) for n in value.shape)
+        array = np.ascontiguousarray(value, dtype=_STORAGE[name])
+    elif is_torch_tensor(value):
+        torch = sys.modules["torch"]
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in _STORAGE:
+            raise UnsupportedSchema(
+                f"torch dtype {value.dtype} is not supported (supported: {', '.join(DTYPES)})"
+            )
+        if value.layout != torch.strided or value.is_quantized:
+            raise UnsupportedSchema(f"only dense tensors are stored, got layout {value.layout}")
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensor = tensor.contiguous()
+        if name == "bfloat16":
+            tensor = tensor.view(torch.int16)
+        shape = tuple(int(n) for n in value.shape)
+        array = tensor.numpy()
+    else:
+        raise UnsupportedSchema(f"expected a NumPy array or a torch.Tensor, got {type(value).__name__}")
+    if len(shape) > TENSOR_DIMS_MAX:
+        raise UnsupportedSchema(f"tensor has {len(shape)} dimensions, at most {TENSOR_DIMS_MAX} are stored")
+    return array.reshape(-1).view(np.uint8).data, name, shape
+
+
+def tensor_record(
+    value: Any, record_id: str, kind: str, metadata: Mapping[str, Any] | None = None
+) -> tuple[Record, str, tuple[int, ...]]:
+    """The tensor.v1 record of one array or tensor (its payload is a view of the tensor's memory)."""
+    _check_kind(kind)
+    view, dtype, shape = tensor_bytes(value)
+    meta: dict[str, Any] = dict(metadata or {})
+    if "tensor" in meta:
+        raise ValueError("metadata key 'tensor' is reserved for the tensor description")
+    meta["tensor"] = {"dtype": dtype, "shape": list(shape), "kind": kind}
+    return Record(record_id, view, TENSOR_CODEC, meta), dtype, shape
+
+
+def _check_kind(kind: object) -> None:
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"a tensor kind must be a non-empty string, got {kind!r}")
+    if len(kind.encode("utf-8")) > KIND_BYTES_MAX:
+        raise ValueError(f"tensor kind {kind[:40]!r}... is longer than {KIND_BYTES_MAX} bytes")
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _describe(
+    codec: str, metadata: Mapping[str, Any], length: int, record_id: str
+) -> tuple[str, tuple[int, ...], str]:
+    """Check a stored tensor record's description against its byte count: (dtype, shape, kind)."""
+    if codec != TENSOR_CODEC:
+        if codec.startswith("tensor."):
+            raise UnsupportedSchema(
+                f"record {record_id!r} has codec {codec!r}; this straw reads {TENSOR_CODEC}"
+            )
+        raise InvalidReference(f"record {record_id!r} is not a tensor (codec {codec!r})")
+    info = metadata.get("tensor")
+    if not isinstance(info, dict):
+        raise CorruptData(f"tensor record {record_id!r} has no 'tensor' description in its metadata")
+    dtype, shape, kind = info.get("dtype"), info.get("shape"), info.get("kind")
+    if dtype not in _STORAGE:
+        raise UnsupportedSchema(
+            f"tensor record {record_id!r} has dtype {dtype!r} (supported: {', '.join(DTYPES)})"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > TENSOR_DIMS_MAX
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    ):
+        raise CorruptData(f"tensor record {record_id!r} has an invalid shape {shape!r}")
+    if not isinstance(kind, str) or not kind:
+        raise CorruptData(f"tensor record {record_id!r} has an invalid kind {kind!r}")
+    expected = math.prod(shape) * _STORAGE[dtype].itemsize
+    if expected != length:
+        raise CorruptData(
+            f"tensor record {record_id!r}: shape {shape} of {dtype} needs {expected} bytes, "
+            f"the record stores {length}"
+        )
+    return dtype, tuple(shape), kind
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A published tensor: shape, dtype, byte count, kind and where its record is.
+
+    Small and picklable (no file handle, no absolute path). ``record_set`` and ``ordinal``
+    name the publication it came from when known, so :meth:`share` writes nothing.
+    """
+
+    record_ref: RecordRef
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    kind: str
+    record_set: RecordSetRef | None = None
+    ordinal: int = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorRef(kind={self.kind!r}, dtype={self.dtype}, shape={list(self.shape)}, "
+            f"record={self.record_ref.segment.path}#{self.record_ref.ordinal})"
+        )
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a scalar tensor")
+        return self.shape[0]
+
+    @property
+    def what(self) -> str:
+        """How error messages name this reference."""
+        return f"tensor {self.kind!r} (record {self.record_ref.ordinal} of {self.record_ref.segment.path})"
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check(self, session: ReadSession) -> None:
+        """Verify the stored record still describes this reference (index verified by the session)."""
+        if self.dtype not in _STORAGE:
+            raise UnsupportedSchema(f"{self.what}: dtype {self.dtype!r} is not supported")
+        if math.prod(self.shape) * _STORAGE[self.dtype].itemsize != self.nbytes:
+            raise CorruptData(
+                f"{self.what}: shape {list(self.shape)} of {self.dtype} does not make {self.nbytes} bytes"
+            )
+        entry = session.locate(self.record_ref).entry
+        stored = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
+        if stored[:2] != (self.dtype, self.shape) or entry.length != self.nbytes:
+            raise CorruptData(
+                f"{self.what}: the reference says {self.dtype}{list(self.shape)} ({self.nbytes} bytes), "
+                f"the stored record holds {stored[0]}{list(stored[1])} ({entry.length} bytes)"
+            )
+
+    # -- reads -------------------------------------------------------------------------
+
+    def load(
+        self, *, reader: ReadSession | SharedFilesystemStore | None = None, pin_memory: bool = False
+    ) -> Any:
+        """The whole tensor (CPU), read straight into freshly allocated storage and verified."""
+        torch = _torch()
+        with naming(self.what):
+            session = reader_for(self.record_ref, reader)
+            self._check(session)
+            try:
+                out = torch.empty(self.shape, dtype=getattr(torch, self.dtype), pin_memory=pin_memory)
+            except RuntimeError as error:
+                if not pin_memory:
+                    raise
+                raise ValueError(
+                    f"pin_memory=True needs an accelerator PyTorch can pin for: {error}"
+                ) from None
+            if self.nbytes:
+                storage = out.view(torch.int16) if self.dtype == "bfloat16" else out
+                session.read_into(self.record_ref, storage.numpy().reshape(-1).view(np.uint8).data)
+        return out
+
+    def numpy(self, *, reader: ReadSession | SharedFilesystemStore | None = None) -> np.ndarray[Any, Any]:
+        """The whole tensor as a NumPy array (no PyTorch needed; bfloat16 has no NumPy dtype)."""
+        if self.dtype == "bfloat16":
+            raise UnsupportedSchema(f"{self.what} is bfloat16, which NumPy lacks; use load()")
+        with naming(self.what):
+            session = reader_for(self.record_ref, reader)
+            self._check(session)
+            out = np.empty(self.shape, dtype=_STORAGE[self.dtype])
+            if self.nbytes:
+                session.read_into(self.record_ref, out.reshape(-1).view(np.uint8).data)
+        return out
+
+    def rows(
+        self, start: int, stop: int, *, reader: ReadSession | SharedFilesystemStore | None = None
+    ) -> Any:
+        """Rows ``start:stop`` (clamped like Python slicing), reading only the chunks they touch."""
+        return self._rows(slice(start, stop), reader)
+
+    def __getitem__(self, rows: slice) -> Any:
+        return self._rows(rows, None)
+
+    def _rows(self, rows: object, reader: ReadSession | SharedFilesystemStore | None) -> Any:
+        if not isinstance(rows, slice):
+            raise TypeError(f"a TensorRef takes row slices ref[a:b], not {type(rows).__name__}")
+        if rows.step not in (None, 1):
+            raise ValueError(f"row slices take no step (got step {rows.step!r}); load() and slice the tensor")
+        if not self.shape:
+            raise ValueError(f"{self.what} is a scalar: it has no rows to slice")
+        torch = _torch()
+        start, stop, _ = rows.indices(self.shape[0])
+        stop = max(start, stop)
+        shape = (stop - start, *self.shape[1:])
+        storage = _STORAGE[self.dtype]
+        row_bytes = math.prod(self.shape[1:]) * storage.itemsize
+        with naming(self.what):
+            session = reader_for(self.record_ref, reader)
+            self._check(session)
+            if not row_bytes * (stop - start):
+                return torch.empty(shape, dtype=getattr(torch, self.dtype))
+            view = session.read_tensor_range(self.record_ref, start * row_bytes, stop * row_bytes)
+        out = torch.from_numpy(np.frombuffer(view, dtype=storage).reshape(shape))
+        return out.view(torch.bfloat16) if self.dtype == "bfloat16" else out
+
+    # -- sharing and updates -----------------------------------------------------------------
+
+    def share(self, store: SharedFilesystemStore, *, submission_id: str) -> tuple[RecordSetRef, int]:
+        """A publication holding this tensor and its ordinal there, for use as a dependency.
+
+        The publication it came from when known (checked readable through ``store``; nothing
+        is written), else a new one-record set over the existing record (no tensor bytes copied).
+        """
+        attach(store)
+        with naming(self.what):
+            if self.record_set is not None:
+                store.validate(self.record_set)
+                return self.record_set, self.ordinal
+            return store.record_set([self.record_ref], submission_id=submission_id), 0
+
+    def updated(
+        self,
+        store: SharedFilesystemStore,
+        replacement: Any,
+        *,
+        rows: Any = None,
+        submission_id: str,
+    ) -> TensorRef:
+        """Publish a new tensor (same kind): ``replacement``, or this one with ``rows`` replaced.
+
+        The original record is immutable and stays as it was.
+        """
+        if rows is None:
+            value = replacement
+        else:
+            torch = _torch()
+            value = self.load(reader=store)
+            value[rows] = torch.as_tensor(replacement, dtype=value.dtype)
+        return publish_tensors(store, {self.kind: value}, submission_id=submission_id)[0]
+
+    # -- constructors --------------------------------------------------------------------------
+
+    @classmethod
+    def from_record_set(cls, store: SharedFilesystemStore, ref: RecordSetRef, ordinal: int = 0) -> TensorRef:
+        """The tensor at ``ordinal`` of a verified record set."""
+        if not isinstance(ref, RecordSetRef):
+            raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
+        session = reader_for(ref.manifest, store)
+        resolved = session.resolve(ref)
+        if (
+            isinstance(ordinal, bool)
+            or not isinstance(ordinal, int)
+            or not 0 <= ordinal < len(resolved.records)
+        ):
+            raise InvalidReference(
+                f"ordinal {ordinal!r} is not in a record set of {len(resolved.records)} records"
+            )
+        located = resolved.records[ordinal]
+        return cls._from_entry(located.ref(), located.entry, ref, ordinal)
+
+    @classmethod
+    def from_record_set_many(
+        cls, store: SharedFilesystemStore, ref: RecordSetRef, *, reader: ReadSession | None = None
+    ) -> dict[int, TensorRef]:
+        """Every tensor member of a record set by ordinal; other members are left out."""
+        if not isinstance(ref, RecordSetRef):
+            raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
+        session = reader_for(ref.manifest, reader if reader is not None else store)
+        found = {}
+        for ordinal, located in enumerate(session.resolve(ref).records):
+            if located.entry.codec.startswith("tensor."):
+                found[ordinal] = cls._from_entry(located.ref(), located.entry, ref, ordinal)
+        return found
+
+    @classmethod
+    def from_entry(
+        cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int
+    ) -> TensorRef:
+        """A reference from a verified index entry (``ReadSession.locate(...).entry``)."""
+        return cls._from_entry(ref, entry, record_set, ordinal)
+
+    @classmethod
+    def _from_entry(
+        cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int
+    ) -> TensorRef:
+        dtype, shape, kind = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
+        return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal)
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def publish_tensors(
+    store: SharedFilesystemStore,
+    tensors: Mapping[str, Any],
+    *,
+    submission_id: str,
+    metadata: Mapping[str, Any] | None = None,
+) -> list[TensorRef]:
+    """Publish tensors as one publication (mapping order); the name is each tensor's kind.
+
+    Payloads are written from the tensors' own memory. ``metadata`` (ours, optional) is
+    added to every record's metadata, e.g. the task and attempt a queue result belongs to.
+    """
+    if TENSOR_CODEC not in store.codecs:
+        raise UnsupportedSchema(
+            f"the store does not list codec {TENSOR_CODEC!r} (codecs: {', '.join(store.codecs)}); "
+            f"open it with codecs=(..., {TENSOR_CODEC!r})"
+        )
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"publish_tensors takes a mapping of name -> tensor, got {type(tensors).__name__}")
+    records, described = [], []
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+        record, dtype, shape = tensor_record(value, name, name, metadata)
+        records.append(record)
+        described.append((dtype, shape, math.prod(shape) * _STORAGE[dtype].itemsize, name))
+    ref = store.publish(records, submission_id=submission_id)
+    attach(store)
+    members = store.validate(ref)
+    return [
+        TensorRef(member, shape, dtype, nbytes, kind, ref, ordinal)
+        for ordinal, (member, (dtype, shape, nbytes, kind)) in enumerate(zip(members, described, strict=True))
+    ]
