@@ -369,8 +369,7 @@ class Coordinator:
         else:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
-            self.store.validate(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
-            packs = self.store.reach([result_ref])
+            packs = self.store.validate_reach(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id

@@ -224,6 +224,12 @@ class ReadSession:
     ) -> tuple[RecordRef, ...]:
         """Verify a record set's structure (not payload bytes); with task/attempt, check ownership."""
         resolved = self.resolve(ref)
+        self.check_ownership(resolved, task_id, attempt_id)
+        return tuple(r.ref() for r in resolved.records)
+
+    @staticmethod
+    def check_ownership(resolved: _Resolved, task_id: str | None, attempt_id: str | None) -> None:
+        """Every record's metadata must name the task and attempt (API.md section 5, validate)."""
         if task_id is not None or attempt_id is not None:
             for located in resolved.records:
                 meta = located.entry.metadata
@@ -235,7 +241,6 @@ class ReadSession:
                         f"{attempt_id!r} (its metadata names task {meta.get('task_id')!r} attempt "
                         f"{meta.get('attempt_id')!r})"
                     )
-        return tuple(r.ref() for r in resolved.records)
 
     def envelope(self, ref: RecordRef) -> dict[str, Any]:
         """A record's verified description without its payload."""
@@ -735,6 +740,17 @@ class SharedFilesystemStore:
             catalog.append(
                 [{"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}]
             )
+
+    def validate_reach(self, ref: RecordSetRef, *, task_id: str, attempt_id: str) -> set[str]:
+        """``validate`` with ownership plus ``reach`` in one resolution (the queue's complete path)."""
+        session = self._session()
+        resolved = session.resolve(ref)
+        session.check_ownership(resolved, task_id, attempt_id)
+        packs = {ref.manifest.segment.path}
+        packs.update(r.segment.path for r in resolved.records)
+        if resolved.dependencies:
+            packs |= self.reach(resolved.dependencies)
+        return packs
 
     def reach(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
         """Every pack the references reach: records, manifests and dependencies, transitively."""
