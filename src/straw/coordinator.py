@@ -34,7 +34,7 @@ from ._queue.machine import (
     state_from_dict,
     state_to_dict,
 )
-from .errors import CorruptData, InvalidReference, UnsafeRecovery, UnsupportedSchema
+from .errors import CorruptData, IndeterminateCommit, InvalidReference, UnsafeRecovery, UnsupportedSchema
 from .limits import JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
 from .protocol import (
     AcquireResult,
@@ -269,6 +269,13 @@ class Coordinator:
                     raise
         try:
             self._journal.wait(seq)
+        except OSError as error:
+            # J3: the frame may or may not be durable. Recovery decides; retries are idempotent.
+            self._broken = error
+            raise IndeterminateCommit(
+                f"journal write failed ({posix.storage_error(error, 'journal')}); this call may or may "
+                "not have taken effect: reopen with recover=True and retry it with the same id"
+            ) from error
         except BaseException as error:
             self._broken = error
             raise

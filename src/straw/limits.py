@@ -89,6 +89,28 @@ VISIBILITY_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 #: identical copy (same digest), never different data.
 SUBMISSIONS_REMEMBERED_MAX = 1_000_000
 
+# Tensors and the sample codec -------------------------------------------------
+
+#: Most dimensions of a stored tensor (PyTorch's own limit is 64 too).
+TENSOR_DIMS_MAX = 64
+
+#: Longest tensor kind name in UTF-8 bytes.
+KIND_BYTES_MAX = 256
+
+#: Writer directories remembered per process as "found in this attached pool" (a cache:
+#: forgetting costs one stat per attached pool on the next read of that writer's packs).
+WRITERS_CACHED_MAX = 65536
+
+#: Deepest nesting of containers the codec stores or reads. Samples nest a few levels;
+#: the bound keeps encoding and decoding far from Python's recursion limit.
+NESTING_DEPTH_MAX = 100
+
+#: Largest byte string kept inside the codec's JSON document (base64); longer ones become records.
+INLINE_BYTES_MAX = 1024
+
+#: Longest record id derived from a path (ids are names; the full path is in the document).
+PART_ID_BYTES_MAX = 256
+
 # Relations -----------------------------------------------------------------
 
 invariant(CHUNK_BYTES > 0 and CHUNK_BYTES % 4096 == 0, "chunks are whole pages")
@@ -98,6 +120,8 @@ invariant(RECORD_BYTES_MAX < PACK_BYTES_MAX, "a record fits in a pack")
 invariant(METADATA_BYTES_MAX < INDEX_BYTES_MAX, "one record's metadata fits an index")
 invariant(RECORD_BYTES_MAX // CHUNK_BYTES * 16 < INDEX_BYTES_MAX, "chunk table of the largest record fits")
 invariant(sum(VISIBILITY_RETRY_DELAYS) < 10, "a read never waits more than a few seconds")
+invariant(INLINE_BYTES_MAX < METADATA_BYTES_MAX, "inline codec bytes stay small next to metadata")
+invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid record ids")
 
 # Queue journal ----------------------------------------------------------------
 

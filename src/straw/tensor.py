@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,20 @@ import numpy as np
 
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
+from .limits import KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
 from .protocol import Record, RecordRef, RecordSetRef
 from .store import ReadSession, SharedFilesystemStore
 
-__all__ = ["DTYPES", "POOL_ROOTS_ENV", "TENSOR_CODEC", "TensorRef", "attach", "detach", "publish_tensors"]
+__all__ = [
+    "DTYPES",
+    "POOL_ROOTS_ENV",
+    "TENSOR_CODEC",
+    "TensorRef",
+    "attach",
+    "detach",
+    "publish_tensors",
+    "release_tensor_publications",
+]
 
 #: Codec name of tensor records (docs/FORMAT.md section 10).
 TENSOR_CODEC = "tensor.v1"
@@ -57,11 +67,6 @@ _STORAGE: dict[str, np.dtype[Any]] = {
 DTYPES = tuple(_STORAGE)
 _NUMPY_NAMES = {dtype.newbyteorder("="): name for name, dtype in _STORAGE.items() if name != "bfloat16"}
 
-#: Most dimensions of a stored tensor (PyTorch's own limit is 64 too).
-TENSOR_DIMS_MAX = 64
-#: Longest kind name in UTF-8 bytes.
-KIND_BYTES_MAX = 256
-
 
 # --------------------------------------------------------------------------- pools of this process
 
@@ -82,8 +87,9 @@ class _Pool:
         session = sessions.get(run_id)
         if session is None:
             session = sessions[run_id] = ReadSession(self.backend, run_id)
-            # A thread that ends drops its sessions; close their descriptors then.
-            weakref.finalize(session, session.close)
+            # A thread that ends drops its sessions; close their descriptors then. The finalizer
+            # must not hold the session itself (that would keep it alive), so it holds its reader.
+            weakref.finalize(session, session._reader.close)
             self._sessions.add(session)
         return session
 
@@ -153,6 +159,8 @@ def _pool_of(ref: RecordRef) -> _Pool:
     holding = [p for p in pools if writer and p.holds(writer)]
     if holding:
         with _pools_lock:
+            if len(_writers) >= WRITERS_CACHED_MAX:
+                _writers.clear()
             _writers[writer] = holding[0]
         return holding[0]
     if len(pools) == 1:
@@ -174,7 +182,7 @@ def reader_for(ref: RecordRef, reader: ReadSession | SharedFilesystemStore | Non
         return reader
     if isinstance(reader, SharedFilesystemStore):
         attach(reader)
-        return _pools[str(reader.backend.root)].session(ref.segment.run_id)
+        return _pools[str(reader.backend.root)].session(reader.run_id)  # refuses other runs
     if reader is not None:
         raise TypeError(
             f"reader must be a ReadSession or a SharedFilesystemStore, got {type(reader).__name__}"
@@ -290,7 +298,7 @@ def _describe(
     if not isinstance(info, dict):
         raise CorruptData(f"tensor record {record_id!r} has no 'tensor' description in its metadata")
     dtype, shape, kind = info.get("dtype"), info.get("shape"), info.get("kind")
-    if dtype not in _STORAGE:
+    if not isinstance(dtype, str) or dtype not in _STORAGE:
         raise UnsupportedSchema(
             f"tensor record {record_id!r} has dtype {dtype!r} (supported: {', '.join(DTYPES)})"
         )
@@ -326,6 +334,10 @@ class TensorRef:
     kind: str
     record_set: RecordSetRef | None = None
     ordinal: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.shape) is not tuple:  # a hand-made reference may pass a list
+            object.__setattr__(self, "shape", tuple(self.shape))
 
     def __repr__(self) -> str:
         return (
@@ -469,6 +481,7 @@ class TensorRef:
         """The tensor at ``ordinal`` of a verified record set."""
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
+        attach(store)
         session = reader_for(ref.manifest, store)
         resolved = session.resolve(ref)
         if (
@@ -480,7 +493,7 @@ class TensorRef:
                 f"ordinal {ordinal!r} is not in a record set of {len(resolved.records)} records"
             )
         located = resolved.records[ordinal]
-        return cls._from_entry(located.ref(), located.entry, ref, ordinal)
+        return cls.from_entry(located.ref(), located.entry, ref, ordinal)
 
     @classmethod
     def from_record_set_many(
@@ -489,11 +502,12 @@ class TensorRef:
         """Every tensor member of a record set by ordinal; other members are left out."""
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
+        attach(store)
         session = reader_for(ref.manifest, reader if reader is not None else store)
         found = {}
         for ordinal, located in enumerate(session.resolve(ref).records):
             if located.entry.codec.startswith("tensor."):
-                found[ordinal] = cls._from_entry(located.ref(), located.entry, ref, ordinal)
+                found[ordinal] = cls.from_entry(located.ref(), located.entry, ref, ordinal)
         return found
 
     @classmethod
@@ -501,17 +515,33 @@ class TensorRef:
         cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int
     ) -> TensorRef:
         """A reference from a verified index entry (``ReadSession.locate(...).entry``)."""
-        return cls._from_entry(ref, entry, record_set, ordinal)
-
-    @classmethod
-    def _from_entry(
-        cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int
-    ) -> TensorRef:
         dtype, shape, kind = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
         return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal)
 
 
 # --------------------------------------------------------------------------- publishing
+
+
+def release_tensor_publications(store: SharedFilesystemStore, tensors: Iterable[TensorRef]) -> None:
+    """End the staging of the publications that hold ``tensors`` (discarded results, docs/GC.md).
+
+    Tensors that were shared into another publication keep that one staged; only the
+    publications named by the refs are released.
+    """
+    refs: dict[tuple[str, int, int], RecordSetRef] = {}
+    for tensor in tensors:
+        if not isinstance(tensor, TensorRef):
+            raise TypeError(f"release_tensor_publications takes TensorRef, got {type(tensor).__name__}")
+        ref = tensor.record_set
+        if ref is None:
+            raise InvalidReference(
+                f"tensor {tensor.kind!r} has no publication of its own (built from a record); "
+                "release the record set that holds it instead"
+            )
+        key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal)
+        refs[key] = ref
+    if refs:
+        store.release_publications(list(refs.values()))
 
 
 def publish_tensors(

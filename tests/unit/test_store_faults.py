@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import random
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field

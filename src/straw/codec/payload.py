@@ -40,6 +40,10 @@ class PayloadRef:
 
     ref: RecordSetRef
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.ref, RecordSetRef):
+            raise TypeError(f"a PayloadRef holds a RecordSetRef, got {type(self.ref).__name__}")
+
     def __repr__(self) -> str:
         manifest = self.ref.manifest
         return f"PayloadRef({manifest.segment.path}#{manifest.ordinal}, digest={self.ref.digest[:16]})"

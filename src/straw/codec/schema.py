@@ -23,21 +23,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptData, ResourceLimitExceeded, UnsupportedSchema
+from ..limits import INLINE_BYTES_MAX, NESTING_DEPTH_MAX, PART_ID_BYTES_MAX
 
 __all__ = ["SCHEMA_VERSION", "Decoder", "Encoded", "Part", "decode_sample", "encode_sample"]
 
 #: Version written in every sample document (``"v"``).
 SCHEMA_VERSION = 1
 
-#: Deepest nesting of containers the codec stores or reads. Samples nest a few levels;
-#: the bound keeps encoding and decoding far from Python's recursion limit.
-NESTING_DEPTH_MAX = 100
-
-#: Largest byte string kept inside the JSON document (base64); longer ones become records.
-INLINE_BYTES_MAX = 1024
-
-#: Longest record id derived from a path (ids are names; the full path is in the document).
-PART_ID_BYTES_MAX = 256
 
 _NUMPY_SCALARS = {
     np.dtype(name): name
@@ -356,6 +348,8 @@ class _Reader:
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
         if isinstance(node, list):
+            if _plain(node):  # token ids, log-probs: JSON scalars decode to themselves
+                return node
             return [self.node(item, depth + 1) for item in node]
         if not isinstance(node, dict):
             raise CorruptData(f"sample document holds a {type(node).__name__} where a node belongs")
@@ -445,7 +439,12 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     stored = set()
     for pair in _list(node["fields"]) + _list(node["attrs"]):
         key, value = _list(pair)
-        object.__setattr__(obj, _text(key), reader.node(value, depth))
+        try:
+            object.__setattr__(obj, _text(key), reader.node(value, depth))
+        except AttributeError:
+            raise UnsupportedSchema(
+                f"{name} has no attribute {key!r} (the class changed since publication)"
+            ) from None
         stored.add(key)
     for f in dataclasses.fields(cls):  # fields added to the class since publication
         if f.name in stored:
