@@ -85,6 +85,25 @@ def _alive(
     return False
 
 
+def _drop_empty_writer_dirs(backend: FilesystemBackend, dead: set[str], remaining: set[str]) -> None:
+    """Remove the directories of dead writers that hold nothing but their liveness file."""
+    raw = os.path.join(str(backend.root), "raw")
+    busy = {path.split("/")[1] for path in remaining}
+    removed = False
+    for writer in sorted(dead - busy):
+        directory = os.path.join(raw, writer)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            continue
+        if names and names != [LIVE_FILE]:
+            continue
+        posix.unlink_quietly(os.path.join(directory, LIVE_FILE))
+        removed |= posix.rmdir_quietly(directory)
+    if removed:
+        backend.sync_dir(raw)
+
+
 def collect(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) -> dict[str, Any]:
     """One collection pass; returns what it reclaimed and what it kept."""
     with catalog.locked() as cat:
@@ -112,6 +131,9 @@ def collect(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None
                 backend.sync_dir(directory)
             for temp in scan.temps:
                 posix.unlink_quietly(temp)
+            _drop_empty_writer_dirs(
+                backend, state.dead_writers, set(scan.on_disk) - set(leftover) - set(victims)
+            )
             gone = sorted(p for p in state.tombstones if p not in scan.on_disk and p not in state.reclaimed)
             cat.append([{"op": "reclaimed", "packs": sorted(set(leftover) | set(victims) | set(gone))}])
         finally:

@@ -166,6 +166,15 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+def rmdir_quietly(path: str) -> bool:
+    """Remove an empty directory; False if it is not there or not empty."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
 def mkdir_new(path: str) -> bool:
     """Create a directory; False if it already exists."""
     try:
