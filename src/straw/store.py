@@ -23,7 +23,7 @@ import xxhash
 
 from ._catalog import collect as gc
 from ._catalog.log import Catalog
-from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES
+from ._catalog.state import RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
 from ._pack.reader import PackReader
@@ -128,6 +128,10 @@ class ReadSession:
         self.close()
 
     # -- locating ------------------------------------------------------------------
+
+    def index(self, segment: SegmentRef) -> frame.Index:
+        """The verified index frame a segment reference names."""
+        return self._reader.index(segment)
 
     def locate(self, ref: RecordRef) -> _Located:
         if not isinstance(ref, RecordRef):
@@ -515,6 +519,8 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> RecordSetRef:
             return RecordSetRef(RecordRef(segment, 0), set_digest, len(entries), payload, tokens)
 
+        # The records live in other extents: staging must keep them too (docs/GC.md).
+        self._stage(submission_id, {0: [x.ref() for x in located] + list(dependencies)})
         return self._commit("record_set", submission_id, set_digest, [manifest_entry], result, [0])
 
     # -- writing: machinery -------------------------------------------------------------
@@ -591,6 +597,11 @@ class SharedFilesystemStore:
             sets.append((len(entries) - 1, set_digest, len(records), payload, sum(e.tokens for e in records)))
             self._check_count(len(entries))
         fingerprint = kind + ":" + ",".join(s[1] for s in sets)
+        staged = {
+            sets[number][0]: [d for d in publication.dependencies if isinstance(d, RecordSetRef)]
+            for number, publication in enumerate(publications)
+        }
+        self._stage(submission_id, staged)
 
         def result(segment: SegmentRef) -> list[RecordSetRef]:
             return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]
@@ -796,9 +807,22 @@ class SharedFilesystemStore:
                 )
             catalog.append([{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}])
 
+    def _reach_live(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
+        """``reach``, but data already collected is named as such (not as "not visible")."""
+        items = list(refs)
+        for ref in items:
+            if not isinstance(ref, (RecordSetRef, RecordRef)):
+                raise TypeError(f"expected a RecordSetRef or RecordRef, got {type(ref).__name__}")
+        direct = {r.manifest.segment.path if isinstance(r, RecordSetRef) else r.segment.path for r in items}
+        with self._catalog.locked() as catalog:
+            gone = sorted(direct & catalog.state.tombstones)
+        if gone:
+            raise InvalidReference(f"cannot retain {gone[0]}: it was garbage-collected; republish the data")
+        return self.reach(items)
+
     def retain(self, owner: str, refs: Iterable[RecordSetRef | RecordRef]) -> None:
         """Make ``owner`` the (only) reason to keep exactly what ``refs`` reach; replaces its roots."""
-        self._own(self._check_owner(owner), self.reach(refs), replace=True)
+        self._own(self._check_owner(owner), self._reach_live(refs), replace=True)
 
     def release(self, owner: str) -> None:
         """Drop an owner; what only it reached becomes collectable."""
@@ -811,28 +835,57 @@ class SharedFilesystemStore:
                 raise KeyError(f"unknown owner {owner!r}: it was never retained or is already released")
             catalog.append([{"op": "release", "owner": owner}])
 
+    def _staging_owner(self, writer: str, submission_id: str, ordinal: int) -> str:
+        return f"staging:{writer}:{digest(submission_id)[:32]}:{ordinal}"
+
+    def _stage(self, submission_id: str, outside: Mapping[int, Sequence[RecordSetRef | RecordRef]]) -> None:
+        """docs/GC.md "Staging": what a publication reaches outside its own extent stays alive
+        with it. Recorded before the write, refusing data already collected (G3)."""
+        events = []
+        with_outside = {ordinal: refs for ordinal, refs in outside.items() if refs}
+        if not with_outside:
+            return
+        owned: dict[str, set[str]] = {}
+        for ordinal, refs in with_outside.items():
+            owned[self._staging_owner(self.writer_id, submission_id, ordinal)] = self.reach(refs)
+        with self._catalog.locked() as catalog:
+            for owner, packs in owned.items():
+                gone = sorted(packs & catalog.state.tombstones)
+                if gone:
+                    raise InvalidReference(f"a dependency in {gone[0]} was garbage-collected; republish it")
+                events.append({"op": "retain", "owner": owner, "packs": sorted(packs)})
+            catalog.append(events)
+
     def release_publications(self, refs: Iterable[RecordSetRef]) -> None:
-        """End the staging of publications (they stay alive only through owners from now on)."""
+        """End the staging of publications (they stay alive only through owners from now on).
+
+        Records written by ``write_records`` stay staged with their writer (another record
+        set may still name them); see docs/GC.md.
+        """
         session = self._session()
         items: set[tuple[str, int, int]] = set()
+        owners: set[str] = set()
         for ref in refs:
             if not isinstance(ref, RecordSetRef):
                 raise TypeError(f"release_publications takes RecordSetRef, got {type(ref).__name__}")
-            resolved = session.resolve(ref)
+            session.resolve(ref)
             segment = ref.manifest.segment
             items.add((segment.path, segment.offset, ref.manifest.ordinal))
-            for located in resolved.records:
-                if (located.segment.path, located.segment.offset) != (segment.path, segment.offset):
-                    items.add((located.segment.path, located.segment.offset, RECORDS_ONLY))
+            index = session.index(segment)
+            owners.add(
+                self._staging_owner(writer_of(segment.path), index.submission_id, ref.manifest.ordinal)
+            )
         if items:
             with self._catalog.locked() as catalog:
-                catalog.append([{"op": "unstage", "items": [list(x) for x in sorted(items)]}])
+                events: list[dict[str, Any]] = [{"op": "unstage", "items": [list(x) for x in sorted(items)]}]
+                events += [{"op": "release", "owner": o} for o in sorted(owners) if o in catalog.state.owners]
+                catalog.append(events)
 
     @contextlib.contextmanager
     def pin(self, refs: Iterable[RecordSetRef | RecordRef], *, owner: str | None = None) -> Iterator[str]:
         """Keep what ``refs`` reach alive for the ``with`` block (an owner released on exit)."""
         name = self._check_owner(owner) if owner is not None else f"pin:{secrets.token_hex(16)}"
-        self._own(name, self.reach(refs), replace=True)
+        self._own(name, self._reach_live(refs), replace=True)
         try:
             yield name
         finally:

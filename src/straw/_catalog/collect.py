@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,14 @@ def _alive(
     return False
 
 
+def _dead_staging(state_owners: Iterable[str], dead: set[str]) -> list[Event]:
+    """G5: the staging owners of dead writers end with them."""
+    prefixes = tuple(f"staging:{writer}:" for writer in dead)
+    if not prefixes:
+        return []
+    return [{"op": "release", "owner": o} for o in sorted(state_owners) if o.startswith(prefixes)]
+
+
 def _drop_empty_writer_dirs(backend: FilesystemBackend, dead: set[str], remaining: set[str]) -> None:
     """Remove the directories of dead writers that hold nothing but their liveness file."""
     raw = os.path.join(str(backend.root), "raw")
@@ -111,6 +120,7 @@ def collect(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None
         try:
             cat.append(scan.events)  # G5 before G4: deaths and seals are durable first
             state = cat.state
+            cat.append(_dead_staging(list(state.owners), state.dead_writers))
             leftover = sorted(p for p in scan.on_disk if p in state.tombstones)
             victims = state.collectable(scan.on_disk)
             if victims:
@@ -134,8 +144,10 @@ def collect(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None
             _drop_empty_writer_dirs(
                 backend, state.dead_writers, set(scan.on_disk) - set(leftover) - set(victims)
             )
-            gone = sorted(p for p in state.tombstones if p not in scan.on_disk and p not in state.reclaimed)
-            cat.append([{"op": "reclaimed", "packs": sorted(set(leftover) | set(victims) | set(gone))}])
+            gone = {p for p in state.tombstones if p not in scan.on_disk and p not in state.reclaimed}
+            done = sorted(set(leftover) | set(victims) | gone)
+            if done:  # nothing to record on a pass that reclaimed nothing: the log stays put
+                cat.append([{"op": "reclaimed", "packs": done}])
         finally:
             for fd in scan.dead_locks:
                 lock.unlock(fd)

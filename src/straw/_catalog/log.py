@@ -51,13 +51,22 @@ class Catalog:
         """Hold the pool-wide catalog lock, with the state caught up to the end of the log."""
         with self._mutex:
             if self._lock_fd < 0:
-                durable.make_dirs(self.directory, str(self.backend.root), self.backend.sync_dir)
-                self._lock_fd = lock.open_lock_file(os.path.join(self.directory, LOCK_FILE))
-            lock.lock_exclusive(self._lock_fd)
+                try:
+                    durable.make_dirs(self.directory, str(self.backend.root), self.backend.sync_dir)
+                    self._lock_fd = lock.open_lock_file(os.path.join(self.directory, LOCK_FILE))
+                except OSError as error:
+                    raise posix.storage_error(error, f"opening the catalog in {self.directory}") from error
+            try:
+                lock.lock_exclusive(self._lock_fd)
+            except OSError as error:
+                raise posix.storage_error(error, f"locking {self.directory}") from error
             self._held = True
             try:
                 self._catch_up()
                 yield self
+            except OSError as error:
+                # Every catalog failure reaches the caller as straw's storage error (API.md section 8).
+                raise posix.storage_error(error, f"updating the catalog in {self.directory}") from error
             finally:
                 self._held = False
                 lock.unlock_only(self._lock_fd)

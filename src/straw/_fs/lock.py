@@ -48,3 +48,23 @@ def unlock_only(fd: int) -> None:
 
 def open_lock_file(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+
+
+def create_locked(path: str) -> int:
+    """Create ``path`` already locked: lock a temporary file, then link it into place.
+
+    Nobody can see ``path`` unlocked, so a collector that takes its lock knows the
+    holder is gone (docs/GC.md, writer liveness). Fails if ``path`` exists.
+    """
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".{name}.{os.getpid()}.{id(path):x}.tmp")
+    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.link(temp, path)
+    except BaseException:
+        os.close(fd)
+        os.unlink(temp)
+        raise
+    os.unlink(temp)
+    return fd

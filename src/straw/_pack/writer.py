@@ -248,9 +248,7 @@ class PackWriter:
         if self._live_fd < 0:
             # docs/GC.md: the liveness lock exists before any file of this writer does, so a
             # collector that can take it knows the writer is dead.
-            live = lock.try_lock_exclusive(os.path.join(directory, LIVE_FILE))
-            invariant(live is not None, "a fresh writer id's liveness lock is free")
-            self._live_fd = live if live is not None else -1
+            self._live_fd = lock.create_locked(os.path.join(directory, LIVE_FILE))
         segment_id = secrets.token_hex(16)
         suffix = STANDALONE_SUFFIX if standalone else PACK_SUFFIX
         relative = f"{self.directory}/{segment_id}{suffix}"

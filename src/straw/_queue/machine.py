@@ -122,6 +122,9 @@ class QueueState:
     commit_workers: list[str] = field(default_factory=list)
     producers: dict[str, Any] = field(default_factory=dict)
     reads: dict[tuple[str, str], Lease] = field(default_factory=dict)
+    #: Inputs each outstanding read was granted (and later given by save_task_progress): the
+    #: holder may still read any of them, whatever the task's input is now (GC roots).
+    read_inputs: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
     consumers: dict[str, Consumer] = field(default_factory=dict)
     batches: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -204,6 +207,10 @@ class QueueState:
                 "the task may be handed to another worker"
             )
         return task
+
+    def _end_read(self, key: tuple[str, str]) -> bool:
+        self.read_inputs.pop(key, None)
+        return self.reads.pop(key, None) is not None
 
     def _lease_pairs(self, leases: Sequence[Lease]) -> list[list[str]]:
         return [[lease.task_id, lease.attempt_id] for lease in leases]
@@ -385,6 +392,7 @@ class QueueState:
             heapq.heappush(self.expiry, (task.deadline, task_id, attempt_id))
             if task.spec.input_ref is not None:
                 self.reads[(task_id, attempt_id)] = task.lease
+                self.read_inputs[(task_id, attempt_id)] = [as_dict(task.spec.input_ref)]
             leases.append(task.lease)
         return leases
 
@@ -486,7 +494,7 @@ class QueueState:
         task = self.tasks[event["task_id"]]
         invariant(task.lease is not None and task.lease.attempt_id == event["attempt_id"], "completing lease")
         self._move(task, "complete", COMPLETED)
-        self.reads.pop((event["task_id"], event["attempt_id"]), None)
+        self._end_read((event["task_id"], event["attempt_id"]))
         receipt = {
             "commit_id": event["commit_id"],
             "task_id": event["task_id"],
@@ -525,7 +533,7 @@ class QueueState:
         task = self.tasks[event["task_id"]]
         task.failures += 1
         task.failure = event["failure"]
-        self.reads.pop((event["task_id"], event["attempt_id"]), None)
+        self._end_read((event["task_id"], event["attempt_id"]))
         if not event["retryable"] or task.failures >= task.spec.max_attempts:
             self._move(task, "fail", FAILED)
         else:
@@ -563,7 +571,7 @@ class QueueState:
             if outcome != "released":
                 continue
             task = self.tasks[task_id]
-            self.reads.pop((task_id, attempt_id), None)
+            self._end_read((task_id, attempt_id))
             self._move(task, "release", PENDING)
             self._enqueue(task)
         self._prune_expiry()
@@ -607,7 +615,7 @@ class QueueState:
     def _apply_yield(self, event: Event) -> list[str]:
         for item in event["updates"]:
             task = self.tasks[item["task_id"]]
-            self.reads.pop((item["task_id"], item["attempt_id"]), None)
+            self._end_read((item["task_id"], item["attempt_id"]))
             task.spec = _replace_spec(task.spec, item)
             self._move(task, "yield", PENDING)
             self._enqueue(task)
@@ -639,7 +647,9 @@ class QueueState:
             self._move(task, "progress", LEASED)
             task.spec = _replace_spec(task.spec, {"input_ref": item["input_ref"]})
             if task.lease is not None:
-                self.reads[(item["task_id"], item["attempt_id"])] = task.lease
+                key = (item["task_id"], item["attempt_id"])
+                self.reads[key] = task.lease
+                self.read_inputs.setdefault(key, []).append(item["input_ref"])
         return self._remember(event, [LEASED] * len(event["updates"]))
 
     def check_cancel(self, task_id: str, request_id: str) -> Event | Answer:
@@ -689,7 +699,7 @@ class QueueState:
     def _apply_retire(self, event: Event) -> list[dict[str, Any]]:
         self._reclaim(event["leased"], f"worker {event['worker_id']} retired")
         for task_id, attempt_id in event["reads"]:
-            self.reads.pop((task_id, attempt_id), None)
+            self._end_read((task_id, attempt_id))
         worker = event["worker_id"]
         return [c for c, w in zip(self.commits, self.commit_workers, strict=True) if w == worker]
 
@@ -699,7 +709,7 @@ class QueueState:
     def _apply_release_reads(self, event: Event) -> int:
         released = 0
         for task_id, attempt_id in event["reads"]:
-            released += self.reads.pop((task_id, attempt_id), None) is not None
+            released += self._end_read((task_id, attempt_id))
         return released
 
     def _apply_epoch(self, event: Event) -> int:
@@ -846,10 +856,8 @@ class QueueState:
         for task in self.tasks.values():
             if task.state in (PENDING, LEASED) and task.spec.input_ref is not None:
                 refs.append(as_dict(task.spec.input_ref))
-        for task_id, _ in self.reads:
-            spec = self.tasks[task_id].spec
-            if spec.input_ref is not None:
-                refs.append(as_dict(spec.input_ref))
+        for inputs in self.read_inputs.values():
+            refs += inputs
         for receipt in self.commits:
             if not acknowledged(receipt["position"]):
                 refs.append(receipt["result_ref"])
@@ -904,7 +912,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "commits": state.commits,
         "commit_workers": state.commit_workers,
         "producers": state.producers,
-        "reads": [as_dict(lease) for lease in state.reads.values()],
+        "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
         "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
         "batches": state.batches,
         "checkpoints": state.checkpoints,
@@ -951,9 +959,10 @@ def state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queue
     state.commit_workers = list(data["commit_workers"])
     state.submissions = {c["submission_id"]: c["position"] for c in state.commits}
     state.producers = dict(data["producers"])
-    for item in data["reads"]:
+    for item, inputs in data["reads"]:
         lease = Lease.from_dict(item)
         state.reads[(lease.task_id, lease.attempt_id)] = lease
+        state.read_inputs[(lease.task_id, lease.attempt_id)] = list(inputs)
     state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
     state.batches = dict(data["batches"])
     state.checkpoints = dict(data["checkpoints"])
