@@ -369,7 +369,11 @@ class Coordinator:
         _text(submission_id, "submission_id")
         with self._lock:
             self._usable()
-            early = self._state.precheck_complete(lease, submission_id, result_digest, self.clock())
+            if not isinstance(result_ref, RecordSetRef):
+                raise TypeError(f"result_ref must be a RecordSetRef, got {type(result_ref).__name__}")
+            early = self._state.precheck_complete(
+                lease, submission_id, result_ref, result_digest, self.clock()
+            )
         if early is not None:
             self._counters["duplicate_completions"] += 1
             receipt = self._query(lambda: early.value)
@@ -468,8 +472,7 @@ class Coordinator:
         def read() -> tuple[list[dict[str, Any]], bool]:
             state = self._state
             page = state.commits[cursor : cursor + limit]
-            done = state.sealed and not len(state.pending) and not state.counts[LEASED]
-            return page, done and cursor + len(page) >= len(state.commits)
+            return page, state.drained_input() and cursor + len(page) >= len(state.commits)
 
         page, done = self._query(read)
         return CommitPage(tuple(CommitReceipt.from_dict(c) for c in page), cursor + len(page), done)

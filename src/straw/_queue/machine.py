@@ -365,8 +365,12 @@ class QueueState:
             "deadline": now + lease_seconds,
         }
 
+    def drained_input(self) -> bool:
+        """Sealed, and nothing pending (control tasks included) or leased."""
+        return self.sealed and not len(self.pending) and not len(self.control) and not self.counts[LEASED]
+
     def _idle_status(self) -> str:
-        if self.sealed and not len(self.pending) and not self.counts[LEASED]:
+        if self.drained_input():
             return "end_of_input"
         return "empty"
 
@@ -437,9 +441,9 @@ class QueueState:
     # ------------------------------------------------------------------ completion
 
     def precheck_complete(
-        self, lease: Lease, submission_id: str, result_digest: str, now: float
+        self, lease: Lease, submission_id: str, result_ref: RecordSetRef, result_digest: str, now: float
     ) -> Answer | None:
-        """The cheap part of :meth:`check_complete`: a known submission's receipt, or the lease error."""
+        """The cheap part of :meth:`check_complete`: a known submission's receipt, or the first error."""
         position = self.submissions.get(submission_id)
         if position is not None:
             receipt = self.commits[position]
@@ -449,6 +453,8 @@ class QueueState:
                     f"digest {receipt['digest'][:12]}..; this retry differs"
                 )
             return Answer(receipt)
+        if result_digest != result_ref.digest:
+            raise InvalidReference("result_digest does not match result_ref.digest")
         self.current(lease, now)
         return None
 
@@ -466,11 +472,9 @@ class QueueState:
             raise ValueError(f"submission_id must be a non-empty string, got {submission_id!r}")
         if not isinstance(result_ref, RecordSetRef):
             raise TypeError(f"result_ref must be a RecordSetRef, got {type(result_ref).__name__}")
-        known = self.precheck_complete(lease, submission_id, result_digest, now)
+        known = self.precheck_complete(lease, submission_id, result_ref, result_digest, now)
         if known is not None:
             return known
-        if result_digest != result_ref.digest:
-            raise InvalidReference("result_digest does not match result_ref.digest")
         task = self.current(lease, now)
         if result_ref.payload_bytes > self.max_result_bytes or result_ref.tokens > self.max_result_tokens:
             raise ResourceLimitExceeded(
