@@ -639,7 +639,8 @@ def machine_facts(root: str) -> dict[str, Any]:
 
 def pool_facts(store: SharedFilesystemStore) -> dict[str, Any]:
     root = Path(store.backend.root)
-    raw_files = sum(1 for p in (root / "raw").rglob("*") if p.is_file())
+    # Data files only: each writer directory also holds its liveness lock file (docs/GC.md).
+    raw_files = sum(1 for p in (root / "raw").rglob("*") if p.is_file() and p.suffix in (".pack", ".seg"))
     apparent = allocated = 0
     for path in root.rglob("*"):
         if path.is_file():
@@ -706,7 +707,7 @@ def summary(report: dict[str, Any]) -> str:
         "MiB/s and ops/s count time inside straw calls only; latency is per call (reads verify",
         f"checksums; one publish_many call carries {SMALL_BATCH} publications). Wall time "
         f"{report['wall_seconds']:.1f} s.",
-        f"files under raw/: {pool['files_under_raw']} (files_created {pool['files_created']}, "
+        f"pack files under raw/: {pool['files_under_raw']} (files_created {pool['files_created']}, "
         f"packs {pool['packs_created']}), on disk {_size(pool['bytes_on_disk'])}, fsyncs {pool['fsyncs']}",
     ]
     mem = report["memory"]
