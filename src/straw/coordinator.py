@@ -10,6 +10,7 @@ second one, in any process or on any client of a shared mount, is refused.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import secrets
@@ -224,7 +225,15 @@ class Coordinator:
         def load(body: bytes) -> None:
             holder[0] = state_from_dict(decode(body), limits)
 
-        recovered = self._journal.replay(apply, load)
+        # Replay allocates many small objects: pause the cycle collector meanwhile (as
+        # state_from_dict does) so recovery time stays proportional to the journal.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            recovered = self._journal.replay(apply, load)
+        finally:
+            if collecting:
+                gc.enable()
         self.truncated_tail = recovered.truncated
         return holder[0]
 

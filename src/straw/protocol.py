@@ -332,7 +332,16 @@ class Lease:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Lease:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(
+            data["run_id"],
+            data["queue_id"],
+            data["task_id"],
+            data["attempt_id"],
+            data["generation"],
+            data["coordinator_epoch"],
+            data["token"],
+            data["worker_id"],
+        )
 
 
 @dataclass(frozen=True)

@@ -428,7 +428,7 @@ def test_metrics_drain_snapshot_close_and_context_manager(make: Any, store: Shar
     (record,) = list(store.read(ref))
     assert record.codec == "json.v1" and record.metadata["queue_id"] == "rollout"
     state = decode(bytes(record.payload))
-    assert [t[0]["task_id"] for t in state["tasks"]] == ["a", "b", "c"]
+    assert [t[0][0] for t in state["tasks"]] == ["a", "b", "c"]  # compact snapshot: spec field lists
     assert len(state["commits"]) == 2
     coord.close()
     coord.close()  # idempotent

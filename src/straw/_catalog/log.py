@@ -119,19 +119,11 @@ class Catalog:
                 continue
             if verdict.decision is frame.Decision.TORN:
                 # G2: a crashed appender's unacknowledged frame; the lock holder cuts it.
-                self._truncate(self._offset + at)
+                durable.cut_tail(self.path, self._offset + at, self.backend.sync_file)
             elif verdict.decision is frame.Decision.CORRUPT:
                 raise CorruptData(f"{self.path}: {verdict.reason}; the catalog is damaged, run `straw check`")
             break
         self._offset += at
-
-    def _truncate(self, size: int) -> None:
-        fd = posix.open_append(self.path)
-        try:
-            posix.truncate(fd, size)
-            self.backend.sync_file(fd)
-        finally:
-            posix.close_quietly(fd)
 
     def _create(self) -> None:
         header = frame.encode_segment_header(frame.SEGMENT_MAGIC, 1, frame.genesis_chain(TAG), TAG)

@@ -67,3 +67,13 @@ def make_dirs(path: str, stop: str, sync_dir: SyncDir) -> None:
     for directory in reversed(missing):
         if posix.mkdir_new(directory):
             sync_dir(os.path.dirname(directory))
+
+
+def cut_tail(path: str, size: int, sync_file: Sync) -> None:
+    """Durably truncate ``path`` to ``size`` bytes (a torn log tail; DURABILITY.md J4.3, G2)."""
+    fd = posix.open_append(path)
+    try:
+        posix.truncate(fd, size)
+        sync_file(fd)
+    finally:
+        posix.close_quietly(fd)

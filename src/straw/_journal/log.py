@@ -144,7 +144,7 @@ class Journal:
                 if verdict.decision is frame.Decision.END:
                     break
                 if verdict.decision is frame.Decision.TORN and last_segment:
-                    self._truncate(path, at)
+                    durable.cut_tail(path, at, self.backend.sync_file)
                     truncated = f"{os.path.basename(path)}: {verdict.reason}; cut at byte {at}"
                     break
                 raise CorruptData(f"journal {path}: {verdict.reason}; refusing to recover past damage")
@@ -183,14 +183,6 @@ class Journal:
         self.segment_first_seq = seq
         self.snapshot_bytes = len(data)
         return verdict.frame.body, seq, header.chain_in
-
-    def _truncate(self, path: str, size: int) -> None:
-        fd = posix.open_append(path)
-        try:
-            posix.truncate(fd, size)
-            self.backend.sync_file(fd)
-        finally:
-            posix.close_quietly(fd)
 
     # -- segments (J1, J5) ------------------------------------------------------------
 

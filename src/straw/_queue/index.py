@@ -41,6 +41,14 @@ class PendingIndex:
         self._order.add(key)
         self._by_id.add(task_id)
 
+    def add_many(self, keys: list[Key]) -> None:
+        """Add many tasks at once (recovery): one sort instead of one insertion each."""
+        for key in keys:
+            invariant(key[3] not in self._keys, "a task is pending at most once")
+            self._keys[key[3]] = key
+        self._order.update(keys)
+        self._by_id.update(key[3] for key in keys)
+
     def remove(self, task_id: str) -> None:
         key = self._keys.pop(task_id)
         self._order.remove(key)

@@ -14,6 +14,7 @@ Every mutating call is split in two:
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -888,19 +889,43 @@ class QueueState:
         return out
 
 
+_SPEC_FIELDS = (
+    "task_id",
+    "metadata",
+    "allow_empty",
+    "max_attempts",
+    "estimated_records",
+    "estimated_bytes",
+    "estimated_tokens",
+    "control",
+    "priority",
+    "scheduling_key",
+)
+
+
 def state_to_dict(state: QueueState) -> dict[str, Any]:
-    """The whole state as JSON-ready data (a journal snapshot body, docs/FORMAT.md section 8)."""
-    return {
-        "v": 1,
-        "run_id": state.run_id,
-        "queue_id": state.queue_id,
-        "epoch": state.epoch,
-        "sealed": state.sealed,
-        "draining": state.draining,
-        "next_order": state.next_order,
-        "tasks": [
+    """The whole state as JSON-ready data (a journal snapshot body, docs/FORMAT.md section 8).
+
+    Compact on purpose (recovery time is proportional to it): task specs are
+    field lists, and input references shared by many tasks are stored once.
+    """
+    refs: list[dict[str, Any]] = []
+    ref_index: dict[tuple[str, int, int, str], int] = {}
+    tasks = []
+    for t in state.tasks.values():
+        spec = t.spec
+        ref = spec.input_ref
+        slot = None
+        if ref is not None:
+            key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal, ref.digest)
+            slot = ref_index.get(key)
+            if slot is None:
+                slot = ref_index[key] = len(refs)
+                refs.append(as_dict(ref))
+        tasks.append(
             [
-                as_dict(t.spec),
+                [getattr(spec, name) for name in _SPEC_FIELDS],
+                slot,
                 t.request_id,
                 t.state,
                 t.order,
@@ -910,10 +935,19 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
                 as_dict(t.lease) if t.lease is not None else None,
                 t.deadline,
             ]
-            for t in state.tasks.values()
-        ],
+        )
+    return {
+        "v": 1,
+        "run_id": state.run_id,
+        "queue_id": state.queue_id,
+        "epoch": state.epoch,
+        "sealed": state.sealed,
+        "draining": state.draining,
+        "next_order": state.next_order,
+        "refs": refs,
+        "tasks": tasks,
         "requests": {k: [v[0], v[1]] for k, v in state.requests.items()},
-        "commits": state.commits,
+        "commits": _pack_commits(state.commits),
         "commit_workers": state.commit_workers,
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
@@ -921,6 +955,83 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "batches": state.batches,
         "checkpoints": state.checkpoints,
     }
+
+
+_SEGMENT_FIELDS = (
+    "run_id",
+    "path",
+    "segment_id",
+    "size",
+    "checksum",
+    "version",
+    "checksum_algorithm",
+    "offset",
+)
+
+
+def _pack_commits(commits: list[dict[str, Any]]) -> dict[str, Any]:
+    """The accepted log with each result's segment stored once (many results share an extent)."""
+    segments: list[list[Any]] = []
+    slots: dict[tuple[str, int], int] = {}
+    rows = []
+    for c in commits:
+        ref = c["result_ref"]
+        segment = ref["manifest"]["segment"]
+        key = (segment["path"], segment["offset"])
+        slot = slots.get(key)
+        if slot is None:
+            slot = slots[key] = len(segments)
+            segments.append([segment[name] for name in _SEGMENT_FIELDS])
+        rows.append(
+            [
+                c["commit_id"],
+                c["task_id"],
+                c["submission_id"],
+                c["digest"],
+                slot,
+                ref["manifest"]["ordinal"],
+                ref["digest"],
+                ref["records"],
+                ref["payload_bytes"],
+                ref["tokens"],
+            ]
+        )
+    return {"segments": segments, "rows": rows}
+
+
+def _unpack_commits(packed: Mapping[str, Any]) -> list[dict[str, Any]]:
+    segments = [dict(zip(_SEGMENT_FIELDS, values, strict=True)) for values in packed["segments"]]
+    commits = []
+    for position, (
+        commit_id,
+        task_id,
+        submission_id,
+        commit_digest,
+        slot,
+        ordinal,
+        ref_digest,
+        records,
+        size,
+        tokens,
+    ) in enumerate(packed["rows"]):
+        ref = {
+            "manifest": {"segment": segments[slot], "ordinal": ordinal},
+            "digest": ref_digest,
+            "records": records,
+            "payload_bytes": size,
+            "tokens": tokens,
+        }
+        commits.append(
+            {
+                "commit_id": commit_id,
+                "task_id": task_id,
+                "submission_id": submission_id,
+                "digest": commit_digest,
+                "position": position,
+                "result_ref": ref,
+            }
+        )
+    return commits
 
 
 def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueState:
@@ -935,13 +1046,34 @@ def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueSta
 
 
 def state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> QueueState:
-    """Rebuild a state (and its indexes) from :func:`state_to_dict` output."""
+    """Rebuild a state (and its indexes) from :func:`state_to_dict` output.
+
+    Python's cycle collector is paused meanwhile: the rebuild allocates one object per
+    field of every task and would otherwise trigger full collections over a growing heap.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _state_from_dict(data, limits)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> QueueState:
     state = new_state(data["run_id"], data["queue_id"], limits)
     state.epoch, state.sealed, state.draining = data["epoch"], data["sealed"], data["draining"]
     state.next_order = data["next_order"]
-    for spec, request_id, status, order, generation, failures, failure, lease, deadline in data["tasks"]:
+    refs = [RecordSetRef.from_dict(item) for item in data["refs"]]
+    pending: list[Key] = []
+    control: list[Key] = []
+    for fields, slot, request_id, status, order, generation, failures, failure, lease, deadline in data[
+        "tasks"
+    ]:
+        task_id, *rest = fields  # TaskSpec's own field order, input_ref second (see _SPEC_FIELDS)
+        spec = TaskSpec(task_id, refs[slot] if slot is not None else None, *rest)
         task = Task(
-            _spec_from(spec),
+            spec,
             request_id,
             status,
             order,
@@ -951,15 +1083,17 @@ def state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queue
             Lease.from_dict(lease) if lease is not None else None,
             deadline,
         )
-        state.tasks[task.spec.task_id] = task
+        state.tasks[spec.task_id] = task
         state.counts[status] += 1
         if status == PENDING:
-            key = pending_key(task.spec.priority, task.spec.scheduling_key, order, task.spec.task_id)
-            state._index(task).add(key)
+            key = pending_key(spec.priority, spec.scheduling_key, order, spec.task_id)
+            (control if spec.control else pending).append(key)
         elif status == LEASED and task.lease is not None:
-            heapq.heappush(state.expiry, (deadline, task.spec.task_id, task.lease.attempt_id))
+            heapq.heappush(state.expiry, (deadline, spec.task_id, task.lease.attempt_id))
+    state.pending.add_many(pending)
+    state.control.add_many(control)
     state.requests = {k: (v[0], v[1]) for k, v in data["requests"].items()}
-    state.commits = list(data["commits"])
+    state.commits = _unpack_commits(data["commits"])
     state.commit_workers = list(data["commit_workers"])
     state.submissions = {c["submission_id"]: c["position"] for c in state.commits}
     state.producers = dict(data["producers"])
