@@ -242,6 +242,10 @@ class Journal:
 
     def _flush_locked(self) -> None:
         self._flushing = True
+        # Let threads that are about to append join this batch (one scheduler yield, no sleep).
+        self._cv.release()
+        os.sched_yield()
+        self._cv.acquire()
         batch, last, offset = self._pending, self._next_seq - 1, self._offset
         self._pending = []
         self._cv.release()
