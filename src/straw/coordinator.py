@@ -269,7 +269,7 @@ class Coordinator:
                     if new:
                         self.store._queue_own(self._gc_owner, new, replace=False)
                         self._owned |= new
-                body = encode(result)
+                body = encode({k: v for k, v in result.items() if not k.startswith("_")})
                 try:
                     seq = self._journal.append(body)
                     reply = self._state.apply(result)

@@ -258,12 +258,21 @@ class QueueState:
             "tasks": encoded,
             "producer_id": producer_id,
             "producer_state": producer_state,
+            # Not journaled (keys starting with "_" are live-only): the checked specs themselves,
+            # so applying live does not rebuild what replay must rebuild from "tasks".
+            "_specs": [
+                spec if not spec.metadata else _spec_from(data)
+                for spec, data in zip(specs, encoded, strict=True)
+            ],  # a spec with metadata gets our own copy: the caller may mutate its dict later
         }
 
     def _apply_submit(self, event: Event) -> list[str]:
         ids = []
-        for data in event["tasks"]:
-            spec = _spec_from(data)
+        specs = event.get("_specs")
+        if specs is None:
+            refs: dict[tuple[str, int, int, str], RecordSetRef] = {}
+            specs = [_spec_from(data, refs) for data in event["tasks"]]
+        for spec in specs:
             task = Task(spec, event["request_id"])
             self.tasks[spec.task_id] = task
             self.counts[PENDING] += 1
@@ -1139,8 +1148,19 @@ def _spec_dict(spec: TaskSpec) -> dict[str, Any]:
     return data
 
 
-def _spec_from(data: Mapping[str, Any]) -> TaskSpec:
-    return TaskSpec.from_dict(data)
+def _spec_from(
+    data: Mapping[str, Any], refs: dict[tuple[str, int, int, str], RecordSetRef] | None = None
+) -> TaskSpec:
+    """A TaskSpec from its dict; ``refs`` shares one RecordSetRef among tasks naming the same input."""
+    ref = data.get("input_ref")
+    if refs is None or not isinstance(ref, dict):
+        return TaskSpec.from_dict(data)
+    manifest = ref["manifest"]
+    key = (manifest["segment"]["path"], manifest["segment"]["offset"], manifest["ordinal"], ref["digest"])
+    shared = refs.get(key)
+    if shared is None:
+        shared = refs[key] = RecordSetRef.from_dict(ref)
+    return TaskSpec.from_dict({**data, "input_ref": shared})
 
 
 def _replace_spec(spec: TaskSpec, item: Mapping[str, Any]) -> TaskSpec:
