@@ -14,6 +14,7 @@ Every mutating call is split in two:
 
 from __future__ import annotations
 
+import copy
 import gc
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -229,15 +230,16 @@ class QueueState:
         for spec in specs:
             if not isinstance(spec, TaskSpec):
                 raise TypeError(f"submit_tasks takes TaskSpec objects, got {type(spec).__name__}")
-            size = len(encode(spec.metadata))
+            size = len(encode(spec.metadata)) if spec.metadata else 2
             if size > self.metadata_bytes:
                 raise ResourceLimitExceeded(
                     f"task {spec.task_id!r}: metadata is {size} bytes, the limit is {self.metadata_bytes}"
                 )
         if producer_state is not None and producer_id is None:
             raise ValueError("producer_state needs a producer_id")
-        encoded = [_spec_dict(spec) for spec in specs]
-        fingerprint = digest(["submit", encoded, producer_id, producer_state])
+        refs, rows = _compact_specs(specs)
+        # The fingerprint names the request logically: inputs by their digest, not their location.
+        fingerprint = digest(["submit", rows, [r["digest"] for r in refs], producer_id, producer_state])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(list(reply[1]))
@@ -255,23 +257,21 @@ class QueueState:
             "op": "submit",
             "request_id": request_id,
             "fingerprint": fingerprint,
-            "tasks": encoded,
+            "refs": refs,
+            "tasks": rows,
             "producer_id": producer_id,
             "producer_state": producer_state,
             # Not journaled (keys starting with "_" are live-only): the checked specs themselves,
-            # so applying live does not rebuild what replay must rebuild from "tasks".
-            "_specs": [
-                spec if not spec.metadata else _spec_from(data)
-                for spec, data in zip(specs, encoded, strict=True)
-            ],  # a spec with metadata gets our own copy: the caller may mutate its dict later
+            # so applying live does not rebuild what replay must rebuild from "tasks". A spec
+            # with metadata gets our own copy: the caller may mutate its dict later.
+            "_specs": [spec if not spec.metadata else _copy_spec(spec) for spec in specs],
         }
 
     def _apply_submit(self, event: Event) -> list[str]:
         ids = []
         specs = event.get("_specs")
         if specs is None:
-            refs: dict[tuple[str, int, int, str], RecordSetRef] = {}
-            specs = [_spec_from(data, refs) for data in event["tasks"]]
+            specs = _expand_specs(event["refs"], event["tasks"])
         for spec in specs:
             task = Task(spec, event["request_id"])
             self.tasks[spec.task_id] = task
@@ -1079,8 +1079,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     for fields, slot, request_id, status, order, generation, failures, failure, lease, deadline in data[
         "tasks"
     ]:
-        task_id, *rest = fields  # TaskSpec's own field order, input_ref second (see _SPEC_FIELDS)
-        spec = TaskSpec(task_id, refs[slot] if slot is not None else None, *rest)
+        spec = _trusted_spec(fields, refs[slot] if slot is not None else None)
         task = Task(
             spec,
             request_id,
@@ -1141,6 +1140,51 @@ _APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
 
 
 # ---------------------------------------------------------------------- spec helpers
+
+
+def _compact_specs(specs: Sequence[TaskSpec]) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+    """Specs as field lists (``_SPEC_FIELDS`` + an index into shared input refs), for events."""
+    refs: list[dict[str, Any]] = []
+    slots: dict[tuple[str, int, int, str], int] = {}
+    rows = []
+    for spec in specs:
+        ref = spec.input_ref
+        slot = None
+        if ref is not None:
+            key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal, ref.digest)
+            slot = slots.get(key)
+            if slot is None:
+                slot = slots[key] = len(refs)
+                refs.append(as_dict(ref))
+        rows.append([getattr(spec, name) for name in _SPEC_FIELDS] + [slot])
+    return refs, rows
+
+
+def _expand_specs(refs: Sequence[Mapping[str, Any]], rows: Sequence[Sequence[Any]]) -> list[TaskSpec]:
+    shared = [RecordSetRef.from_dict(item) for item in refs]
+    specs = []
+    for *fields, slot in rows:
+        specs.append(_trusted_spec(fields, shared[slot] if slot is not None else None))
+    return specs
+
+
+def _trusted_spec(fields: Sequence[Any], input_ref: RecordSetRef | None) -> TaskSpec:
+    """A TaskSpec rebuilt from our own journal or snapshot, whose values were checked when the
+    task was submitted: skips ``__post_init__`` (recovery time is proportional to this)."""
+    spec = object.__new__(TaskSpec)
+    spec.__dict__.update(zip(_SPEC_FIELDS, fields, strict=True))
+    spec.__dict__["input_ref"] = input_ref
+    return spec
+
+
+def _copy_spec(spec: TaskSpec) -> TaskSpec:
+    return TaskSpec(*(getattr(spec, f) for f in ("task_id", "input_ref")), *_spec_values(spec))
+
+
+def _spec_values(spec: TaskSpec) -> list[Any]:
+    values = [getattr(spec, name) for name in _SPEC_FIELDS[1:]]
+    values[0] = copy.deepcopy(values[0])  # metadata
+    return values
 
 
 def _spec_dict(spec: TaskSpec) -> dict[str, Any]:
