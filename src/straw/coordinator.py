@@ -31,6 +31,7 @@ from ._queue.machine import (
     Answer,
     Event,
     QueueState,
+    journal_body,
     new_state,
     state_from_dict,
     state_to_dict,
@@ -269,7 +270,7 @@ class Coordinator:
                     if new:
                         self.store._queue_own(self._gc_owner, new, replace=False)
                         self._owned |= new
-                body = encode({k: v for k, v in result.items() if not k.startswith("_")})
+                body = journal_body(result)
                 try:
                     seq = self._journal.append(body)
                     reply = self._state.apply(result)

@@ -29,7 +29,7 @@ import xxhash
 from straw._journal import frame
 from straw._journal.frame import Decision
 from straw._journal.log import Journal
-from straw._queue.machine import Answer, new_state, state_from_dict, state_to_dict
+from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
 from straw.protocol import TaskSpec, decode, encode
@@ -422,7 +422,7 @@ def _events(count: int) -> tuple[list[bytes], list[Any]]:
     def push(decision: Any) -> None:
         if isinstance(decision, Answer):
             return
-        out.append(encode(decision))
+        out.append(journal_body(decision))
         state.apply(decision)
         snapshots.append(encode(state_to_dict(state)))
 

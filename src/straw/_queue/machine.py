@@ -898,6 +898,11 @@ class QueueState:
         return out
 
 
+def journal_body(event: Event) -> bytes:
+    """The bytes journaled for an event: canonical JSON without its live-only ``_`` keys."""
+    return encode({k: v for k, v in event.items() if not k.startswith("_")})
+
+
 _SPEC_FIELDS = (
     "task_id",
     "metadata",
