@@ -251,21 +251,22 @@ def _version(body: object, what: str) -> Mapping[str, Any]:
     return body
 
 
-def parse_index(body: object) -> Index:
-    """Validate the shape of a decoded index body."""
+def parse_index(body: object, body_bytes: int = INDEX_BYTES_MAX) -> Index:
+    """Validate the shape of a decoded index body (``body_bytes``: its encoded size, which
+    bounds every field in it, so small indexes skip per-record size checks)."""
     body = _version(body, "index")
     chunk = _get(body, "chunk", int, "index")
     records = _get(body, "records", list, "index")
     if chunk <= 0 or chunk % 4096 or len(records) > RECORDS_PER_WRITE_MAX:
         raise CorruptData("index: chunk size or record count out of range")
-    entries = tuple(_parse_entry(item, chunk) for item in records)
+    entries = tuple(_parse_entry(item, chunk, body_bytes) for item in records)
     submission = _get(body, "sub", str, "index")
     if len(submission) > SUBMISSION_ID_BYTES_MAX:
         raise CorruptData("index: submission id longer than the format allows")
     return Index(submission, chunk, entries)
 
 
-def _parse_entry(item: object, chunk: int) -> IndexEntry:
+def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
     if type(item) is not dict:
         raise CorruptData("index record is not an object")
     record_id, codec = item.get("id"), item.get("codec")
@@ -292,7 +293,7 @@ def _parse_entry(item: object, chunk: int) -> IndexEntry:
     # Readers hold what they read to the writers' limits (FORMAT.md section 6).
     if len(record_id) > RECORD_ID_BYTES_MAX or len(codec) > CODEC_NAME_BYTES_MAX:
         raise CorruptData(f"index record {record_id[:64]!r}: id or codec longer than the format allows")
-    if meta and len(encode(meta)) > METADATA_BYTES_MAX:
+    if meta and body_bytes > METADATA_BYTES_MAX and len(encode(meta)) > METADATA_BYTES_MAX:
         raise CorruptData(f"index record {record_id!r}: metadata larger than METADATA_BYTES_MAX")
     if not _HEX32.fullmatch(content):
         raise CorruptData(f"index record {record_id!r}: malformed content hash")

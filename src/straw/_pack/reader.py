@@ -55,6 +55,7 @@ class PackReader:
         self.max_open = max_open
         self._files: OrderedDict[str, _File] = OrderedDict()
         self._indexes: OrderedDict[tuple[str, int, str], frame.Index] = OrderedDict()
+        self._checked: SegmentRef | None = None
 
     def close(self) -> None:
         while self._files:
@@ -156,7 +157,10 @@ class PackReader:
     def index(self, segment: SegmentRef) -> frame.Index:
         """The verified, parsed index frame a SegmentRef points to (cached)."""
         # Check the reference before the cache: a cached index must not vouch for a forged copy.
-        self.check_segment(segment)
+        # (A SegmentRef is immutable: the one checked last needs no second check.)
+        if segment is not self._checked:
+            self.check_segment(segment)
+            self._checked = segment
         key = (segment.path, segment.offset, segment.checksum)
         cached = self._indexes.get(key)
         if cached is not None:
@@ -165,7 +169,7 @@ class PackReader:
 
         def check(data: bytes | bytearray) -> frame.Index:
             body = frame.decode_json_frame(data, frame.KIND_INDEX, segment.checksum)
-            return frame.parse_index(body)
+            return frame.parse_index(body, len(data))
 
         parsed = self._verified(segment.path, segment.segment_id, segment.size, segment.offset, check)
         self._indexes[key] = parsed
