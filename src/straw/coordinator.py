@@ -397,6 +397,16 @@ class Coordinator:
                 ),
                 packs,
             )
+            self.backend.fault("before_completion_reply")
+            # The accepted reference is the caller's own (validated) object: no need to rebuild it.
+            return CommitReceipt(
+                receipt["commit_id"],
+                receipt["task_id"],
+                receipt["submission_id"],
+                receipt["digest"],
+                receipt["position"],
+                result_ref,
+            )
         self.backend.fault("before_completion_reply")
         return CommitReceipt.from_dict(receipt)
 
