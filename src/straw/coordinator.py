@@ -393,7 +393,7 @@ class Coordinator:
             packs = self.store.validate_reach(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
             receipt = self._commit(
                 lambda: self._state.check_complete(
-                    lease, submission_id, result_ref, result_digest, self.clock(), self._new_id
+                    lease, submission_id, result_ref, result_digest, self.clock(), self._new_id, packs
                 ),
                 packs,
             )
@@ -669,8 +669,9 @@ class Coordinator:
         with self._lock:
             self._usable()
             acknowledged, finished = self._acknowledgements()
-            refs = [RecordSetRef.from_dict(d) for d in self._state.roots(acknowledged, finished)]
-            packs = self.store.reach(refs)
+            listed, packs = self._state.roots(acknowledged, finished)
+            refs = [RecordSetRef.from_dict(d) for d in listed]
+            packs |= self.store.reach(refs)
             self.store._queue_own(self._gc_owner, packs, replace=True)
             self._owned = set(packs)
         result = self.store.collect_garbage()

@@ -122,6 +122,8 @@ class QueueState:
     submissions: dict[str, int] = field(default_factory=dict)
     commits: list[dict[str, Any]] = field(default_factory=list)
     commit_workers: list[str] = field(default_factory=list)
+    #: Packs each accepted result reaches (known when it was validated), so GC roots need no I/O.
+    commit_packs: list[list[str]] = field(default_factory=list)
     producers: dict[str, Any] = field(default_factory=dict)
     reads: dict[tuple[str, str], Lease] = field(default_factory=dict)
     #: Inputs each outstanding read was granted (and later given by save_task_progress): the
@@ -476,8 +478,13 @@ class QueueState:
         result_digest: str,
         now: float,
         new_id: NewId,
+        packs: Iterable[str] = (),
     ) -> Event | Answer:
-        """A complete event, or the original receipt of a retried submission."""
+        """A complete event, or the original receipt of a retried submission.
+
+        ``packs`` are the packs the result reaches (the shell computed them while
+        validating it); they are journaled with the event for the GC roots.
+        """
         if not isinstance(submission_id, str) or not submission_id:
             raise ValueError(f"submission_id must be a non-empty string, got {submission_id!r}")
         if not isinstance(result_ref, RecordSetRef):
@@ -502,6 +509,7 @@ class QueueState:
             "commit_id": new_id(),
             "digest": result_digest,
             "result_ref": as_dict(result_ref),
+            "packs": sorted(packs),
         }
 
     def _apply_complete(self, event: Event) -> dict[str, Any]:
@@ -519,6 +527,7 @@ class QueueState:
         }
         self.commits.append(receipt)
         self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
+        self.commit_packs.append(list(event.get("packs", ())))
         self.submissions[event["submission_id"]] = receipt["position"]
         self._prune_expiry()
         return receipt
@@ -860,21 +869,28 @@ class QueueState:
 
     # ------------------------------------------------------------------ GC roots
 
-    def roots(self, acknowledged: Callable[[int], bool], finished: set[str]) -> list[dict[str, Any]]:
-        """References the queue still needs (docs/GC.md "Queue roots"), as dicts.
+    def roots(
+        self, acknowledged: Callable[[int], bool], finished: set[str]
+    ) -> tuple[list[dict[str, Any]], set[str]]:
+        """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as
+        dicts, and packs already known (those of accepted results, recorded when accepted).
 
         ``acknowledged(position)`` says whether the training consumer processed
         that accepted result; ``finished`` names batches it finished.
         """
         refs: list[dict[str, Any]] = []
+        packs: set[str] = set()
         for task in self.tasks.values():
             if task.state in (PENDING, LEASED) and task.spec.input_ref is not None:
                 refs.append(as_dict(task.spec.input_ref))
         for inputs in self.read_inputs.values():
             refs += inputs
-        for receipt in self.commits:
+        for receipt, known in zip(self.commits, self.commit_packs, strict=True):
             if not acknowledged(receipt["position"]):
-                refs.append(receipt["result_ref"])
+                if known:
+                    packs.update(known)
+                else:
+                    refs.append(receipt["result_ref"])
         for consumer in self.consumers.values():
             if consumer.state is not None:
                 refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]
@@ -882,7 +898,7 @@ class QueueState:
             if batch_id not in finished:
                 refs += [batch[k] for k in ("plan_ref", "ready_ref") if batch.get(k) is not None]
         refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
-        return refs
+        return refs, packs
 
     # ------------------------------------------------------------------ views
 
@@ -963,6 +979,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "requests": {k: [v[0], v[1]] for k, v in state.requests.items()},
         "commits": _pack_commits(state.commits),
         "commit_workers": state.commit_workers,
+        "commit_packs": state.commit_packs,
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
         "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
@@ -1108,6 +1125,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.requests = {k: (v[0], v[1]) for k, v in data["requests"].items()}
     state.commits = _unpack_commits(data["commits"])
     state.commit_workers = list(data["commit_workers"])
+    state.commit_packs = [list(p) for p in data.get("commit_packs", [[] for _ in state.commits])]
     state.submissions = {c["submission_id"]: c["position"] for c in state.commits}
     state.producers = dict(data["producers"])
     for item, inputs in data["reads"]:
