@@ -979,7 +979,11 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "requests": {k: [v[0], v[1]] for k, v in state.requests.items()},
         "commits": _pack_commits(state.commits),
         "commit_workers": state.commit_workers,
-        "commit_packs": state.commit_packs,
+        # A result that lives in one pack (the usual case) reaches just its manifest's pack: 0.
+        "commit_packs": [
+            0 if packs == [c["result_ref"]["manifest"]["segment"]["path"]] else packs
+            for c, packs in zip(state.commits, state.commit_packs, strict=True)
+        ],
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
         "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
@@ -1125,7 +1129,10 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.requests = {k: (v[0], v[1]) for k, v in data["requests"].items()}
     state.commits = _unpack_commits(data["commits"])
     state.commit_workers = list(data["commit_workers"])
-    state.commit_packs = [list(p) for p in data.get("commit_packs", [[] for _ in state.commits])]
+    state.commit_packs = [
+        [c["result_ref"]["manifest"]["segment"]["path"]] if packs == 0 else list(packs)
+        for c, packs in zip(state.commits, data["commit_packs"], strict=True)
+    ]
     state.submissions = {c["submission_id"]: c["position"] for c in state.commits}
     state.producers = dict(data["producers"])
     for item, inputs in data["reads"]:
