@@ -131,6 +131,10 @@ invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid re
 #: is copied into a snapshot at most about once).
 JOURNAL_SNAPSHOT_BYTES_MIN = 64 * MiB
 
+#: Catalog log size after which its lock holder compacts it into a snapshot and a new log
+#: (the real threshold is the larger of this and twice the last snapshot, docs/GC.md G7).
+CATALOG_COMPACT_BYTES_MIN = 16 * MiB
+
 #: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
 QUEUE_ID_BYTES_MAX = 1 * KiB
 
