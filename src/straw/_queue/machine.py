@@ -962,7 +962,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
                 t.generation,
                 t.failures,
                 t.failure,
-                as_dict(t.lease) if t.lease is not None else None,
+                _lease_row(t.lease) if t.lease is not None else None,
                 t.deadline,
             ]
         )
@@ -1004,6 +1004,20 @@ _SEGMENT_FIELDS = (
 )
 
 
+def _lease_row(lease: Lease) -> list[Any]:
+    """A lease as its field values, in Lease's field order (snapshots only)."""
+    return [
+        lease.run_id,
+        lease.queue_id,
+        lease.task_id,
+        lease.attempt_id,
+        lease.generation,
+        lease.coordinator_epoch,
+        lease.token,
+        lease.worker_id,
+    ]
+
+
 def _pack_commits(commits: list[dict[str, Any]]) -> dict[str, Any]:
     """The accepted log with each result's segment stored once (many results share an extent)."""
     segments: list[list[Any]] = []
@@ -1025,7 +1039,7 @@ def _pack_commits(commits: list[dict[str, Any]]) -> dict[str, Any]:
                 c["digest"],
                 slot,
                 ref["manifest"]["ordinal"],
-                ref["digest"],
+                0 if ref["digest"] == c["digest"] else ref["digest"],
                 ref["records"],
                 ref["payload_bytes"],
                 ref["tokens"],
@@ -1051,7 +1065,7 @@ def _unpack_commits(packed: Mapping[str, Any]) -> list[dict[str, Any]]:
     ) in enumerate(packed["rows"]):
         ref = {
             "manifest": {"segment": segments[slot], "ordinal": ordinal},
-            "digest": ref_digest,
+            "digest": commit_digest if ref_digest == 0 else ref_digest,
             "records": records,
             "payload_bytes": size,
             "tokens": tokens,
@@ -1114,7 +1128,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
             generation,
             failures,
             failure,
-            Lease.from_dict(lease) if lease is not None else None,
+            Lease(*lease) if lease is not None else None,
             deadline,
         )
         state.tasks[spec.task_id] = task
