@@ -135,6 +135,10 @@ JOURNAL_SNAPSHOT_BYTES_MIN = 64 * MiB
 #: (the real threshold is the larger of this and twice the last snapshot, docs/GC.md G7).
 CATALOG_COMPACT_BYTES_MIN = 16 * MiB
 
+#: Zeros written ahead of a journal segment's frames (J1.1): appends then overwrite allocated
+#: blocks, so each fdatasync flushes data without committing a size change.
+JOURNAL_PREALLOC_BYTES = 4 * MiB
+
 #: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
 QUEUE_ID_BYTES_MAX = 1 * KiB
 
