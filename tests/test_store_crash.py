@@ -28,6 +28,7 @@ from typing import IO, Any
 import pytest
 
 from straw._pack import frame
+from straw.errors import CorruptData
 from straw.protocol import Publication, Record, RecordSetRef
 from straw.store import SharedFilesystemStore
 
@@ -199,13 +200,18 @@ def _complete_extents(data: bytes) -> int:
     frame.decode_pack_header(data)
     position, extents = frame.PACK_HEADER_BYTES, 0
     while position + frame.FRAME_HEADER_BYTES <= len(data):
-        header = frame.decode_frame_header(data[position : position + frame.FRAME_HEADER_BYTES])
-        end = position + frame.FRAME_HEADER_BYTES + header.body_bytes
-        if end > len(data):
-            break  # the torn tail of a write the kill interrupted
-        if header.kind == frame.KIND_INDEX:
-            frame.decode_json_frame(data[position:end], frame.KIND_INDEX, None)
-            extents += 1
+        if not data[position:].strip(b"\0"):
+            break  # the zeros an unsealed pack keeps ahead of its frames (DURABILITY D1.2a)
+        try:
+            header = frame.decode_frame_header(data[position : position + frame.FRAME_HEADER_BYTES])
+            end = position + frame.FRAME_HEADER_BYTES + header.body_bytes
+            if end > len(data):
+                break  # the torn tail of a write the kill interrupted
+            if header.kind == frame.KIND_INDEX:
+                frame.decode_json_frame(data[position:end], frame.KIND_INDEX, None)
+                extents += 1
+        except CorruptData:
+            break  # a write the kill interrupted inside the zero-filled space: a torn tail too
         position = end
     return extents
 

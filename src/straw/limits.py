@@ -60,6 +60,11 @@ INDEX_BYTES_MAX = 1 * GiB
 #: stored as unsigned 64-bit values and Python's pread takes signed ones.
 PACK_BYTES_MAX = 2**62
 
+#: Zeros a pack keeps written ahead of small appends (DURABILITY.md D1.2a): the appends then
+#: overwrite allocated blocks and their fdatasync commits no size change. Only extents up to
+#: a quarter of this take part, so bulk writes are never doubled.
+PACK_PREALLOC_BYTES = 1 * MiB
+
 #: Default rotation threshold of a pack (API.md section 5: segment_target_bytes).
 SEGMENT_TARGET_BYTES_DEFAULT = 1 * GiB
 

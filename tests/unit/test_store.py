@@ -69,6 +69,8 @@ def frames(path: Path) -> list[tuple[int, frame.FrameHeader]]:
     found = []
     position = frame.PACK_HEADER_BYTES
     while position < len(data):
+        if not data[position:].strip(b"\0"):  # an unsealed pack's zeros ahead (DURABILITY D1.2a)
+            return found
         head = frame.decode_frame_header(data[position : position + frame.FRAME_HEADER_BYTES])
         found.append((position, head))
         position += frame.FRAME_HEADER_BYTES + head.body_bytes

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
+from ..limits import PACK_PREALLOC_BYTES
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
 from . import frame
 
@@ -62,6 +63,8 @@ class _OpenPack:
     extents: int
     #: Index-frame offset -> manifest ordinals of each extent (for the catalog's staging).
     manifests: dict[int, list[int]] = field(default_factory=dict)
+    #: End of the zero-filled space written ahead of the frames (D1.2a); the file's size.
+    allocated: int = 0
 
 
 #: Called with (pack path, extents) once a pack is sealed (the store records it in the catalog).
@@ -127,6 +130,8 @@ class PackWriter:
             head, body, _ = frame.encode_json_frame(frame.KIND_SEAL, frame.seal_body(pack.extents, pack.size))
             self.backend.fault("before_seal_write")
             posix.pwrite_all(pack.fd, [head, body], pack.size)
+            if pack.allocated > pack.size + len(head) + len(body):
+                posix.truncate(pack.fd, pack.size + len(head) + len(body))  # cut the zeros (D1.2a)
             self.backend.sync_file(pack.fd)
             self.backend.fault("after_seal_sync")
         finally:
@@ -212,9 +217,20 @@ class PackWriter:
     ) -> SegmentRef:
         buffers, index_offset, index_size, sum_hex = layout
         segment = self._segment(pack.relative, pack.segment_id, index_offset, index_size, sum_hex)
+        end = index_offset + index_size
         try:
             self.backend.fault("before_data_write")
             written = posix.pwrite_all(pack.fd, buffers, pack.size)
+            if (
+                end - pack.size <= PACK_PREALLOC_BYTES // 4
+                and end + PACK_PREALLOC_BYTES // 2 > pack.allocated
+            ):
+                # D1.2a: small appends keep zeros written ahead of them, synced with this extent,
+                # so the next small appends overwrite allocated blocks and their fdatasync
+                # commits no size change. Seal cuts the zeros; readers never look past a reference.
+                start = max(pack.allocated, end)
+                posix.pwrite_all(pack.fd, [bytes(end + PACK_PREALLOC_BYTES - start)], start)
+                pack.allocated = end + PACK_PREALLOC_BYTES
             self.backend.fault("after_data_write")
             self.backend.sync_file(pack.fd)
         except BaseException:
@@ -282,7 +298,7 @@ class PackWriter:
         if standalone:
             posix.close_quietly(fd)
         else:
-            self._pack = _OpenPack(fd, segment_id, relative, size, 1, extents)
+            self._pack = _OpenPack(fd, segment_id, relative, size, 1, extents, size)
         try:
             self.backend.fault("before_dir_sync")
             self.backend.sync_dir(directory)
