@@ -939,33 +939,21 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
     Compact on purpose (recovery time is proportional to it): task specs are
     field lists, and input references shared by many tasks are stored once.
     """
-    refs: list[dict[str, Any]] = []
-    ref_index: dict[tuple[str, int, int, str], int] = {}
-    tasks = []
-    for t in state.tasks.values():
-        spec = t.spec
-        ref = spec.input_ref
-        slot = None
-        if ref is not None:
-            key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal, ref.digest)
-            slot = ref_index.get(key)
-            if slot is None:
-                slot = ref_index[key] = len(refs)
-                refs.append(as_dict(ref))
-        tasks.append(
-            [
-                [getattr(spec, name) for name in _SPEC_FIELDS],
-                slot,
-                t.request_id,
-                t.state,
-                t.order,
-                t.generation,
-                t.failures,
-                t.failure,
-                _lease_row(t.lease) if t.lease is not None else None,
-                t.deadline,
-            ]
-        )
+    refs, rows = _compact_specs([t.spec for t in state.tasks.values()])
+    tasks = [
+        [
+            row,
+            t.request_id,
+            t.state,
+            t.order,
+            t.generation,
+            t.failures,
+            t.failure,
+            _lease_row(t.lease) if t.lease is not None else None,
+            t.deadline,
+        ]
+        for row, t in zip(rows, state.tasks.values(), strict=True)
+    ]
     return {
         "v": 1,
         "run_id": state.run_id,
@@ -1116,9 +1104,8 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     refs = [RecordSetRef.from_dict(item) for item in data["refs"]]
     pending: list[Key] = []
     control: list[Key] = []
-    for fields, slot, request_id, status, order, generation, failures, failure, lease, deadline in data[
-        "tasks"
-    ]:
+    for row, request_id, status, order, generation, failures, failure, lease, deadline in data["tasks"]:
+        *fields, slot = row  # _SPEC_FIELDS values, then the input ref's slot (see _compact_specs)
         spec = _trusted_spec(fields, refs[slot] if slot is not None else None)
         task = Task(
             spec,
