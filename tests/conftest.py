@@ -15,33 +15,16 @@ unset/anything else = use JuiceFS when possible, skip with the reason otherwise;
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import NoReturn
 
 import pytest
 
-
-def _load_juicefs_mount() -> ModuleType:
-    """Import tests/juicefs_mount.py whatever pytest's import mode (it is not a package)."""
-    name = "juicefs_mount"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("juicefs_mount.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-juicefs_mount = _load_juicefs_mount()
+import juicefs_mount
 
 #: Bound on how long a directory created through A may take to show up through B.
 _POOL_VISIBILITY_TIMEOUT_S = 10.0

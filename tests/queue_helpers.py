@@ -1,18 +1,14 @@
 """Helpers shared by the durable-queue tests (coordinator, model, crash and JuiceFS tests).
 
-Test modules run with ``--import-mode=importlib``, so they load this file with
-:func:`load` (``tests/`` is not on ``sys.path``); child programs started as
-``python tests/<file>.py`` import it directly.
+Tests import it by name (pytest's ``pythonpath`` puts ``tests/`` on the path); child
+programs started as ``python tests/<file>.py`` find it beside themselves.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from straw._fs import lock
@@ -21,19 +17,6 @@ from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef
 from straw.store import SharedFilesystemStore
 
 HERE = Path(__file__).resolve()
-
-
-def load() -> ModuleType:
-    """This module, whatever pytest's import mode (the same object for every caller)."""
-    name = "queue_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Clock:

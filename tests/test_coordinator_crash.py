@@ -13,7 +13,6 @@ This file is also the child program: ``python tests/test_coordinator_crash.py wo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -23,23 +22,11 @@ from typing import IO, Any
 
 import pytest
 
+import queue_helpers as qh
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw.errors import UnsafeRecovery
 from straw.protocol import CommitReceipt, as_dict
 
-
-def _load_helpers() -> Any:
-    name = "queue_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("queue_helpers.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-qh = _load_helpers()
 pytestmark = pytest.mark.crash
 
 RUN = "run-coordinator-crash"

@@ -12,7 +12,6 @@ This file is also the child program: ``python tests/test_coordinator_juicefs.py 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,25 +23,13 @@ from typing import IO, Any
 
 import pytest
 
+import queue_helpers as qh
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw._fs import lock
 from straw.backend import FilesystemBackend
 from straw.errors import UnsafeRecovery
 from straw.protocol import CommitReceipt, as_dict
 
-
-def _load_helpers() -> Any:
-    name = "queue_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("queue_helpers.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-qh = _load_helpers()
 pytestmark = pytest.mark.juicefs
 
 RUN = "run-coordinator-juicefs"

@@ -12,12 +12,9 @@ completion exactly once with its digest), and the pending order after recovery (
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,23 +22,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+import queue_helpers as qh
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw.errors import LeaseExpired, StaleAttempt
 from straw.protocol import CommitReceipt, Lease, RecordSetRef
-
-
-def _load_helpers() -> Any:
-    name = "queue_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "queue_helpers.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-qh = _load_helpers()
 
 RUN = "run-model"
 LEASE_S = 10.0

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, Limits, Record, RecordSetRef, SharedFilesystemStore, TaskSpec
 from straw._queue.machine import QueueState
@@ -47,23 +48,6 @@ from straw.protocol import (
     digest,
     encode,
 )
-
-
-def _load_helpers() -> Any:
-    import importlib.util
-    import sys
-
-    name = "queue_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "queue_helpers.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-qh = _load_helpers()
 
 RUN = "run-coordinator"
 OWNER = "owner-1"
