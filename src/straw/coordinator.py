@@ -268,7 +268,7 @@ class Coordinator:
                 if packs:
                     new = packs - self._owned
                     if new:
-                        self.store._queue_own(self._gc_owner, new, replace=False)
+                        self.store._own(self._gc_owner, new, replace=False)
                         self._owned |= new
                 body = journal_body(result)
                 try:
@@ -672,7 +672,7 @@ class Coordinator:
             listed, packs = self._state.roots(acknowledged, finished)
             refs = [RecordSetRef.from_dict(d) for d in listed]
             packs |= self.store.reach(refs)
-            self.store._queue_own(self._gc_owner, packs, replace=True)
+            self.store._own(self._gc_owner, packs, replace=True)
             self._owned = set(packs)
         result = self.store.collect_garbage()
         result["queue_roots"] = len(refs)

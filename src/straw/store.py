@@ -798,7 +798,8 @@ class SharedFilesystemStore:
         return owner
 
     def _own(self, owner: str, packs: set[str], *, replace: bool) -> None:
-        """G3: record an owner's packs, refusing any pack already tombstoned."""
+        """G3: record an owner's packs, refusing any pack already tombstoned. No name check:
+        straw's own layers (the queue's ``queue:`` owner) call it directly."""
         with self._catalog.locked() as catalog:
             gone = sorted(packs & catalog.state.tombstones)
             if gone:
@@ -906,10 +907,6 @@ class SharedFilesystemStore:
             answer = catalog.state.why(pack)
         answer["exists"] = os.path.exists(self.backend.resolve(pack))
         return answer
-
-    def _queue_own(self, owner: str, packs: set[str], *, replace: bool) -> None:
-        """Owners of straw's own layers (queues) may use the reserved names."""
-        self._own(owner, packs, replace=replace)
 
     def _owned(self, owner: str) -> set[str]:
         with self._catalog.locked() as catalog:

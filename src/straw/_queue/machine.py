@@ -15,6 +15,7 @@ Every mutating call is split in two:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -266,7 +267,12 @@ class QueueState:
             # Not journaled (keys starting with "_" are live-only): the checked specs themselves,
             # so applying live does not rebuild what replay must rebuild from "tasks". A spec
             # with metadata gets our own copy: the caller may mutate its dict later.
-            "_specs": [spec if not spec.metadata else _copy_spec(spec) for spec in specs],
+            "_specs": [
+                spec
+                if not spec.metadata
+                else dataclasses.replace(spec, metadata=copy.deepcopy(spec.metadata))
+                for spec in specs
+            ],
         }
 
     def _apply_submit(self, event: Event) -> list[str]:
@@ -1208,44 +1214,15 @@ def _trusted_spec(fields: Sequence[Any], input_ref: RecordSetRef | None) -> Task
     return spec
 
 
-def _copy_spec(spec: TaskSpec) -> TaskSpec:
-    return TaskSpec(*(getattr(spec, f) for f in ("task_id", "input_ref")), *_spec_values(spec))
-
-
-def _spec_values(spec: TaskSpec) -> list[Any]:
-    values = [getattr(spec, name) for name in _SPEC_FIELDS[1:]]
-    values[0] = copy.deepcopy(values[0])  # metadata
-    return values
-
-
-def _spec_dict(spec: TaskSpec) -> dict[str, Any]:
-    data: dict[str, Any] = as_dict(spec)
-    return data
-
-
-def _spec_from(
-    data: Mapping[str, Any], refs: dict[tuple[str, int, int, str], RecordSetRef] | None = None
-) -> TaskSpec:
-    """A TaskSpec from its dict; ``refs`` shares one RecordSetRef among tasks naming the same input."""
-    ref = data.get("input_ref")
-    if refs is None or not isinstance(ref, dict):
-        return TaskSpec.from_dict(data)
-    manifest = ref["manifest"]
-    key = (manifest["segment"]["path"], manifest["segment"]["offset"], manifest["ordinal"], ref["digest"])
-    shared = refs.get(key)
-    if shared is None:
-        shared = refs[key] = RecordSetRef.from_dict(ref)
-    return TaskSpec.from_dict({**data, "input_ref": shared})
-
-
 def _replace_spec(spec: TaskSpec, item: Mapping[str, Any]) -> TaskSpec:
-    data = _spec_dict(spec)
+    """The spec with the event's new input and, where given, priority, key and metadata."""
+    data: dict[str, Any] = as_dict(spec)
     if "input_ref" in item:
         data["input_ref"] = item["input_ref"]
     for name in ("priority", "scheduling_key", "metadata"):
         if item.get(name) is not None:
             data[name] = item[name]
-    return _spec_from(data)
+    return TaskSpec.from_dict(data)
 
 
 def _check_name(value: object, what: str) -> None:
