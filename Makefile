@@ -12,7 +12,7 @@ PEER_PY ?= /work/peer/bin/python
 # Scenarios of ../shared/bench/bench_api.py to compare (a..g); see ../shared/bench/README.md.
 ONLY ?= --only ab
 
-.PHONY: all test demo lint typecheck fmt slow compare clean
+.PHONY: all test demo lint typecheck fmt slow compare clean crash sim soak
 
 all: test
 
@@ -44,6 +44,21 @@ fmt: $(STAMP)
 
 slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# Verification campaigns (issue 6); each runs its long variants, which `make test` samples.
+# The full crash campaign: every byte prefix and bit flip of the last journal/catalog frame,
+# an abrupt exit at every named durable phase.
+crash: $(STAMP)
+	STRAW_CRASH_FULL=1 $(BIN)/python -m pytest tests/test_crash_campaign.py -m "slow or not slow"
+
+# The seeded simulation on the in-memory fault-injecting filesystem: `make sim SEEDS=1000`.
+SEEDS ?= 200
+sim: $(STAMP)
+	STRAW_SIM_SEEDS=$(SEEDS) $(BIN)/python -m pytest tests/sim -m "slow or not slow"
+
+# A few minutes of writers, a coordinator, workers and a collector on two JuiceFS clients.
+soak: $(STAMP)
+	STRAW_JUICEFS=require $(BIN)/python -m pytest tests/soak -m "slow or not slow"
 
 compare: $(STAMP)
 	bash ../shared/bench/compare.sh $(BIN)/python $(PEER_PY) $(ONLY)

@@ -47,6 +47,8 @@ LAYERS: dict[str, int] = {
     "_queue": 5,
     "coordinator": 6,
     "rollout": 7,
+    # Read-only inspection and checking of a pool (straw inspect, straw check; docs/CHECK.md).
+    "_inspect": 7,
     "cli": 8,
     "benchmark": 8,
     "testing": 9,

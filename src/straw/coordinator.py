@@ -13,12 +13,12 @@ import contextlib
 import gc
 import math
 import os
+import random
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ._fs import durable, lock, posix
@@ -115,6 +115,7 @@ class Coordinator:
         root = str(self.backend.root)
         self.directory = queue_directory(root, self.queue_id, self.namespace)
         self._lock = threading.Lock()
+        self._ids = random.Random(secrets.randbits(256))
         self._broken: BaseException | None = None
         self._closed = False
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
@@ -145,7 +146,7 @@ class Coordinator:
         if fd is None:
             holder = ""
             with contextlib.suppress(OSError):
-                holder = Path(path).read_text(errors="replace").strip()
+                holder = posix.read_file(path).decode(errors="replace").strip()
             raise UnsafeRecovery(
                 f"queue {self.queue_id!r} is held by a live coordinator ({holder or 'unknown holder'}); "
                 "stop it first (its lock is released when it exits, then recover=True works)"
@@ -170,7 +171,7 @@ class Coordinator:
 
     def _open(self, recover: bool) -> QueueState:
         identity_path = os.path.join(self.directory, IDENTITY_FILE)
-        exists = os.path.exists(identity_path) or self._journal.exists()
+        exists = posix.exists(identity_path) or self._journal.exists()
         if exists and not recover:
             raise UnsafeRecovery(
                 f"queue {self.queue_id!r} already exists in {self.directory}; reopen it with recover=True"
@@ -199,8 +200,7 @@ class Coordinator:
 
     def _check_identity(self, path: str) -> None:
         try:
-            with open(path, "rb") as handle:
-                found = decode(handle.read())
+            found = decode(posix.read_file(path))
         except FileNotFoundError:
             return  # crashed before the identity became durable: nothing was ever served
         except OSError as error:
@@ -311,9 +311,11 @@ class Coordinator:
         self._journal.wait(self._journal.last_seq)
         self._journal.write_snapshot(encode(state_to_dict(self._state)))
 
-    @staticmethod
-    def _new_id() -> str:
-        return secrets.token_hex(16)
+    def _new_id(self) -> str:
+        # Ids (attempts, lease tokens, commits) must be unique, not secret: whoever can read the
+        # pool can read the journal. A generator seeded from the OS once per coordinator avoids a
+        # getrandom system call per id, which would hand the GIL to another thread each time.
+        return f"{self._ids.getrandbits(128):032x}"
 
     # ------------------------------------------------------------------ tasks
 

@@ -144,6 +144,11 @@ CATALOG_COMPACT_BYTES_MIN = 16 * MiB
 #: blocks, so each fdatasync flushes data without committing a size change.
 JOURNAL_PREALLOC_BYTES = 4 * MiB
 
+#: Journal syncs allowed in flight at once (J2.4). Two lets the next batch be written and
+#: synced while the previous batch's sync runs; fdatasync calls on one file overlap in the
+#: kernel, so a caller waits about one sync instead of one and a half.
+JOURNAL_SYNCS_IN_FLIGHT = 2
+
 #: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
 QUEUE_ID_BYTES_MAX = 1 * KiB
 

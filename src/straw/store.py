@@ -422,14 +422,13 @@ class SharedFilesystemStore:
         marker = os.path.join(root, POOL_MARKER)
         try:
             parent = os.path.dirname(root)
-            os.makedirs(parent, exist_ok=True)
+            posix.makedirs(parent)
             durable.make_dirs(root, parent, self.backend.sync_dir)
-            if not os.path.exists(marker):
+            if not posix.exists(marker):
                 durable.create_file(
                     marker, [encode(POOL_FORMAT)], self.backend.sync_file, self.backend.sync_dir
                 )
-            with open(marker, "rb") as handle:
-                found = decode(handle.read(4096))
+            found = decode(posix.read_file(marker, 4096))
             durable.make_dirs(os.path.join(root, "raw"), root, self.backend.sync_dir)
             # D0: an earlier open may have created these entries and then failed to sync them;
             # syncing both directories on every open makes "exists" imply "durable".
@@ -905,7 +904,7 @@ class SharedFilesystemStore:
         """Why a pack (``raw/<writer>/<segment>.pack``) is kept: its owners, seal and staging."""
         with self._catalog.locked() as catalog:
             answer = catalog.state.why(pack)
-        answer["exists"] = os.path.exists(self.backend.resolve(pack))
+        answer["exists"] = posix.exists(self.backend.resolve(pack))
         return answer
 
     def _owned(self, owner: str) -> set[str]:

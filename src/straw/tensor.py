@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._fs import posix
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from .limits import KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
@@ -94,7 +95,7 @@ class _Pool:
         return session
 
     def holds(self, writer: str) -> bool:
-        return os.path.isdir(os.path.join(self.root, "raw", writer))
+        return posix.isdir(os.path.join(self.root, "raw", writer))
 
     def close(self) -> None:
         for session in list(self._sessions):

@@ -457,10 +457,29 @@ def _flip(path: Path, offset: int) -> None:
 
 
 @pytest.mark.parametrize("where", ["header", "body", "last-body-byte"])
-def test_g2_bit_flip_in_a_complete_frame_is_corrupt_data_and_not_applied(pool: Path, where: str) -> None:
+def test_g2_bit_flip_in_the_last_frame_is_cut_as_a_torn_write_never_applied(pool: Path, where: str) -> None:
+    # Nothing after the last frame proves it was durable, so under A1 its damage is a torn
+    # write (DURABILITY.md, durability witness): the lock holder cuts it, never applies it.
     log, start, end = _log_with_last_frame(pool)
-    before = log.read_bytes()
     offset = {"header": start + 9, "body": start + frame.FRAME_HEADER_BYTES + 3, "last-body-byte": end - 1}
+    _flip(log, offset[where])
+    catalog = _catalog(pool)
+    with catalog.locked() as cat:
+        assert cat.state.owners == {"early": {P1}}
+    catalog.close()
+    assert log.stat().st_size == start
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_g2_bit_flip_in_a_frame_a_later_frame_witnesses_is_corrupt_data(pool: Path, where: str) -> None:
+    log, start, _ = _log_with_last_frame(pool)
+    before = log.read_bytes()
+    frames = _frames(log)
+    assert len(frames) == 3
+    # The second frame (the seal) ends where the last begins; the last frame's lag (1) says
+    # the second was durable when it was framed, so damage there is not a torn write.
+    second_start = start - len(encode({"events": frames[1]})) - frame.FRAME_HEADER_BYTES
+    offset = {"header": second_start + 9, "body": start - 1}
     _flip(log, offset[where])
     damaged = log.read_bytes()
     catalog = _catalog(pool)
@@ -469,7 +488,7 @@ def test_g2_bit_flip_in_a_complete_frame_is_corrupt_data_and_not_applied(pool: P
     # Nothing of the damaged frame was applied, and the file was not "repaired" by truncation.
     assert "late" not in catalog.state.owners
     assert log.read_bytes() == damaged and len(damaged) == len(before)
-    with pytest.raises(CorruptData):
+    with pytest.raises(CorruptData, match="durable"):
         _fresh_state(pool)
     catalog.close()
 

@@ -684,10 +684,13 @@ def _collectable_pool(
 def test_corrupt_catalog_frame_fails_collection_and_deletes_nothing(root: Path) -> None:
     fault = Fault()
     collector, _, kept = _collectable_pool(root, fault)
+    # A later frame witnesses that the "keep" frame was durable (DURABILITY.md decision
+    # table), so damage to it is not a torn write: the catalog must fail closed.
+    collector.retain("witness", [kept])
     collector.close()
     log = root / "catalog" / "log"
     data = bytearray(log.read_bytes())
-    data[-3] ^= 0x01  # inside the body of the last (complete) frame
+    data[data.index(b'"owner":"keep"') + 9] ^= 0x01
     log.write_bytes(bytes(data))
     before = on_disk(root)
     fresh = open_store(root)

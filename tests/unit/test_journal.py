@@ -32,6 +32,7 @@ from straw._journal.log import Journal
 from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
+from straw.limits import JOURNAL_SYNCS_IN_FLIGHT
 from straw.protocol import TaskSpec, decode, encode
 
 TAG = frame.identity_tag("run-journal", "rollout")
@@ -100,8 +101,9 @@ def _header(
     body_digest: bytes,
     magic: bytes = frame.FRAME_MAGIC,
     version: int = frame.JOURNAL_VERSION,
+    lag: int = 0,
 ) -> bytes:
-    head = struct.pack("<4sHHQQ16s16s", magic, version, 0, seq, length, chain, body_digest)
+    head = struct.pack("<4sHHQQ16s16s", magic, version, lag, seq, length, chain, body_digest)
     return head + xxhash.xxh3_64_digest(head)
 
 
@@ -142,13 +144,31 @@ def build_tail(header: str, seq: str, chain: str, body: str) -> bytes:
     return head + payload
 
 
-def expected_decision(header: str, seq: str, chain: str, body: str) -> Decision | type[Exception]:
+#: What follows the frame under test: nothing, or a later frame (seq 3) whose lag makes it a
+#: durability witness for frame 2 (lag 1: framed once 2 was durable), or not (lag 2, or 0 =
+#: not recorded). Incomplete bodies are only tested at the end of the file (their definition).
+AFTERS = ("none", "witness", "unproven", "unrecorded")
+_LATER_BODY = b'{"op":"later"}'
+
+
+def later_frame(after: str) -> bytes:
+    if after == "none":
+        return b""
+    lag = {"witness": 1, "unproven": 2, "unrecorded": 0}[after]
+    digest = xxhash.xxh3_128_digest(_LATER_BODY)
+    head = _header(seq=3, length=len(_LATER_BODY), chain=bytes(16), body_digest=digest, lag=lag)
+    return head + _LATER_BODY
+
+
+def expected_decision(header: str, seq: str, chain: str, body: str, after: str) -> Decision | type[Exception]:
     """The documented precedence of ``classify``, written out row by row."""
+    damaged = Decision.CORRUPT if after == "witness" else Decision.TORN
     if header == "zeroed":
-        # A zero header is an unwritten tail only if everything after it is zero too.
-        return Decision.TORN if body == "incomplete_0" else Decision.CORRUPT
+        # A zero header is an unwritten tail if everything after it is zero too; otherwise it
+        # is a damaged header like any other.
+        return Decision.TORN if body == "incomplete_0" and after == "none" else damaged
     if header in ("bad_magic", "bad_checksum"):
-        return Decision.CORRUPT
+        return damaged
     if header == "bad_version":
         return UnsupportedSchema
     if seq == "wrong":
@@ -158,13 +178,17 @@ def expected_decision(header: str, seq: str, chain: str, body: str) -> Decision 
     if body.startswith("incomplete"):
         return Decision.TORN
     if body == "bad_checksum":
-        return Decision.CORRUPT
+        return damaged
     if chain == "wrong":
         return Decision.CORRUPT
     return Decision.FRAME
 
 
-COMBINATIONS = list(itertools.product(HEADERS, SEQS, CHAINS, BODIES))
+COMBINATIONS = [
+    c
+    for c in itertools.product(HEADERS, SEQS, CHAINS, BODIES, AFTERS)
+    if c[4] == "none" or not c[3].startswith("incomplete")
+]
 
 
 @pytest.mark.parametrize("prefix", [b"", b"x" * 64 + b"previous frame bytes"], ids=["at-0", "at-84"])
@@ -172,7 +196,8 @@ def test_classify_decision_table_is_exhaustive(prefix: bytes) -> None:
     at = len(prefix)
     seen: dict[Any, int] = {}
     for combination in COMBINATIONS:
-        data = prefix + build_tail(*combination)
+        later = later_frame(combination[4])
+        data = prefix + build_tail(*combination[:4]) + later
         want = expected_decision(*combination)
         if isinstance(want, type):
             with pytest.raises(want, match="version"):
@@ -184,7 +209,8 @@ def test_classify_decision_table_is_exhaustive(prefix: bytes) -> None:
         seen[want] = seen.get(want, 0) + 1
         if want is Decision.FRAME:
             assert verdict.frame is not None
-            assert (verdict.frame.seq, verdict.frame.body, verdict.frame.end) == (2, BODY, len(data))
+            assert (verdict.frame.seq, verdict.frame.body) == (2, BODY)
+            assert verdict.frame.end == len(data) - len(later)
             assert verdict.frame.chain == frame.next_chain(PREVIOUS, xxhash.xxh3_128_digest(BODY))
         else:
             assert verdict.frame is None
@@ -204,12 +230,32 @@ def test_classify_empty_tail_is_end_and_partial_headers_are_torn() -> None:
 
 
 @pytest.mark.parametrize("size", [H, H + 1, H + len(BODY), 4096])
-def test_classify_zero_tail_is_torn_and_zeros_then_data_are_corrupt(size: int) -> None:
+def test_classify_zero_tail_is_torn_and_zeros_then_garbage_are_torn_unless_witnessed(size: int) -> None:
     verdict = frame.classify(b"q" * 10 + bytes(size), 10, 2, PREVIOUS)
     assert verdict.decision is Decision.TORN
     assert "zero bytes after the last frame" in verdict.reason
     damaged = b"q" * 10 + bytes(size - 1) + b"\x01"
-    assert frame.classify(damaged, 10, 2, PREVIOUS).decision is Decision.CORRUPT
+    verdict = frame.classify(damaged, 10, 2, PREVIOUS)
+    assert verdict.decision is Decision.TORN and "a torn write" in verdict.reason
+    witnessed = frame.classify(damaged + later_frame("witness"), 10, 2, PREVIOUS)
+    assert witnessed.decision is Decision.CORRUPT
+    assert "frame 3 after it was written once frame 2 was durable" in witnessed.reason
+
+
+def test_encode_frame_records_the_lag_only_when_it_fits() -> None:
+    chain = frame.genesis_chain(TAG)
+    lags = {}
+    for durable in (None, 9, 10, 0, 10 - frame.FRAME_LAG_MAX, 9 - frame.FRAME_LAG_MAX):
+        head, _ = frame.encode_frame(10, chain, b"{}", durable)
+        lags[durable] = struct.unpack_from("<H", head, 6)[0]
+    assert lags == {
+        None: 0,
+        9: 1,
+        10: 0,  # a frame is never durable before it is written: not a lag, not recorded
+        0: 10,
+        10 - frame.FRAME_LAG_MAX: frame.FRAME_LAG_MAX,
+        9 - frame.FRAME_LAG_MAX: 0,
+    }
 
 
 def test_classify_walks_a_chain_of_frames() -> None:
@@ -315,8 +361,10 @@ def test_i11_replay_never_applies_a_bit_flip_in_the_last_frame(tmp_path: Path, j
                 outcomes["prefix"] += 1
             assert applied == list(enumerate(items[:-1], start=1)), (offset, bit)
     assert sum(outcomes.values()) == 8 * (len(data) - last)
-    # Every header field is covered by the header checksum, so no flip can pass for a torn write.
-    assert outcomes == {"corrupt": 8 * (len(data) - last), "prefix": 0}
+    # Nothing follows the last frame, so nothing proves it was durable: under A1 its damage is
+    # a torn write and recovery keeps the prefix (DURABILITY.md, durability witness). Never
+    # is the damaged frame applied.
+    assert outcomes == {"corrupt": 0, "prefix": 8 * (len(data) - last)}
 
 
 def test_i11_replay_refuses_damage_before_the_last_frame(tmp_path: Path, journal_bytes: Any) -> None:
@@ -499,6 +547,40 @@ def test_a_damaged_snapshot_is_corrupt_data(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- group commit
 
 
+def test_j2_4_a_second_batch_is_synced_while_the_first_sync_is_still_running(tmp_path: Path) -> None:
+    backend = FilesystemBackend(tmp_path)
+    journal = open_journal(tmp_path, backend=backend)
+    journal.start_segment()
+    first_entered, release_first = threading.Event(), threading.Event()
+    real_sync = backend.sync_file
+    calls = [0]
+
+    def sync_file(fd: int) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            first_entered.set()
+            assert release_first.wait(30), "the test never released the first sync"
+        real_sync(fd)
+
+    backend.sync_file = sync_file  # type: ignore[method-assign]
+    first = journal.append(b"first batch")
+    leader = threading.Thread(target=journal.wait, args=(first,))
+    leader.start()
+    assert first_entered.wait(30)
+    second = journal.append(b"second batch")
+    # Returns although the first sync is still held: its own sync started after the first
+    # batch was written, so it makes both batches durable (the durable mark covers both).
+    journal.wait(second)
+    assert not release_first.is_set() and calls[0] == 2
+    release_first.set()
+    leader.join(30)
+    assert not leader.is_alive()
+    journal.close()
+    assert journal.metrics["syncs"] == 2
+    applied, _, _ = replay(tmp_path)
+    assert [body for _, body in applied] == [b"first batch", b"second batch"]
+
+
 def test_i8_group_commit_shares_syncs_and_returns_only_when_durable(tmp_path: Path) -> None:
     threads_n = 8
     size = 48
@@ -551,8 +633,11 @@ def test_i8_group_commit_shares_syncs_and_returns_only_when_durable(tmp_path: Pa
     journal.close()
     assert errors == []
     assert journal.metrics["appends"] == threads_n
-    # The first sync covered what was framed when it started; one more covered all the rest.
-    assert journal.metrics["syncs"] == synced_by_flushes == 2 < threads_n
+    # The first sync covered what was framed when it started; while it was held, a second batch
+    # could be written and synced beside it (JOURNAL_SYNCS_IN_FLIGHT); one more covered the rest.
+    assert JOURNAL_SYNCS_IN_FLIGHT == 2
+    assert journal.metrics["syncs"] == synced_by_flushes
+    assert 2 <= synced_by_flushes <= 3 < threads_n
     applied, _, _ = replay(tmp_path)
     assert sorted(body for _, body in applied) == sorted(
         f"thread-{n}".encode().ljust(size, b".") for n in range(threads_n)

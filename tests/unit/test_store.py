@@ -25,7 +25,7 @@ import pytest
 import xxhash
 
 from straw import Publication, Record, RecordRef, RecordSetRef, SharedFilesystemStore
-from straw._fs import posix
+from straw._fs import posix, system
 from straw._pack import frame
 from straw.errors import IdempotencyConflict, InvalidReference, WriterFenced
 from straw.limits import CHUNK_BYTES
@@ -855,7 +855,7 @@ def test_d1_payload_is_written_from_the_callers_memory(
         calls.append([memoryview(b) for b in buffers])
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(posix.os, "pwritev", spy)
+    monkeypatch.setattr(system.current, "pwritev", spy)
     payload = bytearray(np.random.default_rng(3).bytes(4 * MiB))
     written_before = store.metrics["bytes_written"]
     ref = store.publish([Record("big", payload), Record("small", b"tiny")], submission_id="big")

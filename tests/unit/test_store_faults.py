@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from straw._fs import posix
+from straw._fs import system
 from straw._pack import frame
 from straw.backend import FilesystemBackend
 from straw.errors import (
@@ -477,8 +477,8 @@ class FailingSync:
 @pytest.fixture
 def failing_fdatasync(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], FailingSync]:
     def install(code: int) -> FailingSync:
-        fake = FailingSync(posix.os.fdatasync, code)
-        monkeypatch.setattr(posix.os, "fdatasync", fake)
+        fake = FailingSync(system.current.fdatasync, code)
+        monkeypatch.setattr(system.current, "fdatasync", fake)
         return fake
 
     return install
@@ -551,8 +551,8 @@ def test_failed_directory_fsync_after_rename_is_indeterminate_until_retried(
     store = open_store(root, segment_target_bytes=0)
     written: Written = []
     publish(store, "first", written)  # the writer directory exists from here on
-    sync = FailingSync(posix.os.fsync, errno.EIO)
-    monkeypatch.setattr(posix.os, "fsync", sync)
+    sync = FailingSync(system.current.fsync, errno.EIO)
+    monkeypatch.setattr(system.current, "fsync", sync)
     sync.armed = True
     records = records_for("uncertain")
     with pytest.raises(IndeterminateCommit, match="'uncertain' may or may not be durable"):
@@ -646,8 +646,8 @@ def test_i1_failed_sync_of_the_new_writer_directory_is_redone_before_a_reference
 ) -> None:
     root = tmp_path / "pool"
     store = open_store(root)
-    sync = FailingSync(posix.os.fsync, errno.EIO)
-    monkeypatch.setattr(posix.os, "fsync", sync)
+    sync = FailingSync(system.current.fsync, errno.EIO)
+    monkeypatch.setattr(system.current, "fsync", sync)
     sync.armed = True
     with pytest.raises(StorageUnavailable, match="Input/output error"):
         publish(store, "first", [])

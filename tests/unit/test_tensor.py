@@ -22,7 +22,7 @@ import torch
 
 from straw import Record, SharedFilesystemStore
 from straw import tensor as tensor_module
-from straw._fs import posix
+from straw._fs import system
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from straw.limits import CHUNK_BYTES
@@ -112,7 +112,7 @@ def preadv_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[memoryview], 
         calls.append(([memoryview(b) for b in buffers], offset))
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(posix.os, "preadv", spy)
+    monkeypatch.setattr(system.current, "preadv", spy)
     return calls
 
 
@@ -256,7 +256,7 @@ def test_d1_publish_writes_from_the_tensors_own_memory(
         calls.extend(memoryview(b) for b in buffers)
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(posix.os, "pwritev", spy)
+    monkeypatch.setattr(system.current, "pwritev", spy)
     routes = torch_value("int32", (1024, 48, 8))
     logprobs = numpy_value("float32", (1024, 128))
     bf = torch_value("bfloat16", (64, 64))

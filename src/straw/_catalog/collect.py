@@ -39,7 +39,7 @@ def _scan(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) 
     raw = os.path.join(str(backend.root), "raw")
     scan = _Scan()
     try:
-        writers = sorted(os.listdir(raw))
+        writers = sorted(posix.listdir(raw))
     except FileNotFoundError:
         return scan
     for writer in writers:
@@ -47,7 +47,7 @@ def _scan(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) 
             continue
         directory = os.path.join(raw, writer)
         try:
-            names = os.listdir(directory)
+            names = posix.listdir(directory)
         except FileNotFoundError:
             continue
         alive = _alive(writer, directory, names, own_writer, state.dead_writers, scan)
@@ -55,7 +55,7 @@ def _scan(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) 
             relative = f"raw/{writer}/{name}"
             if _PACK.fullmatch(name):
                 try:
-                    scan.on_disk[relative] = os.path.getsize(os.path.join(directory, name))
+                    scan.on_disk[relative] = posix.getsize(os.path.join(directory, name))
                 except FileNotFoundError:
                     continue
                 info = state.packs.get(relative)
@@ -102,7 +102,7 @@ def _drop_empty_writer_dirs(backend: FilesystemBackend, dead: set[str], remainin
     for writer in sorted(dead - busy):
         directory = os.path.join(raw, writer)
         try:
-            names = os.listdir(directory)
+            names = posix.listdir(directory)
         except FileNotFoundError:
             continue
         if names and names != [LIVE_FILE]:

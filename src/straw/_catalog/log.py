@@ -104,14 +104,14 @@ class Catalog:
         try:
             fd = posix.open_read(self.path)
         except FileNotFoundError:
-            if os.path.exists(self.snapshot_path):
+            if posix.exists(self.snapshot_path):
                 raise CorruptData(
                     f"{self.path} is missing but a catalog snapshot exists; run `straw check`"
                 ) from None
             self._create()
             return
         try:
-            size = os.fstat(fd).st_size
+            size = posix.fstat_size(fd)
             header = posix.pread_exact(fd, frame.SEGMENT_HEADER_BYTES, 0)
             if len(header) < frame.SEGMENT_HEADER_BYTES:
                 raise CorruptData(f"{self.path}: catalog header truncated; run `straw check`")
@@ -136,8 +136,7 @@ class Catalog:
     def _load_snapshot(self) -> None:
         self._reset()
         try:
-            with open(self.snapshot_path, "rb") as handle:
-                data = handle.read()
+            data = posix.read_file(self.snapshot_path)
         except FileNotFoundError:
             return
         header = frame.decode_segment_header(data, frame.SNAPSHOT_MAGIC)
@@ -207,7 +206,7 @@ class Catalog:
         if not events:
             return
         body = encode({"events": list(events)})
-        header, chain = frame.encode_frame(self._seq + 1, self._chain, body)
+        header, chain = frame.encode_frame(self._seq + 1, self._chain, body, self._seq)
         fd = posix.open_append(self.path)
         try:
             self.backend.fault("before_catalog_write")
@@ -232,7 +231,7 @@ class Catalog:
 
     def size(self) -> int:
         try:
-            return os.path.getsize(self.path)
+            return posix.getsize(self.path)
         except FileNotFoundError:
             return 0
 

@@ -31,7 +31,7 @@ def _write_temp(path: str, chunks: Sequence[posix.Buffer], sync_file: Sync) -> s
         posix.close_quietly(fd)
         posix.unlink_quietly(temp)
         raise
-    os.close(fd)
+    posix.close(fd)
     return temp
 
 
@@ -61,7 +61,7 @@ def make_dirs(path: str, stop: str, sync_dir: SyncDir) -> None:
     """Create ``path`` and missing parents below ``stop``, syncing each parent that gained an entry."""
     missing: list[str] = []
     current = path
-    while current != stop and not os.path.isdir(current):
+    while current != stop and not posix.isdir(current):
         missing.append(current)
         current = os.path.dirname(current)
     for directory in reversed(missing):

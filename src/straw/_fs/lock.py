@@ -11,43 +11,47 @@ from __future__ import annotations
 import fcntl
 import os
 
+from . import system as _system
+
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def try_lock_exclusive(path: str) -> int | None:
     """Open (creating) ``path`` and take an exclusive lock without waiting; None if held elsewhere."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+    fs = _system.current
+    fd = fs.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fs.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        fs.close(fd)
         return None
     except BaseException:
-        os.close(fd)
+        fs.close(fd)
         raise
     return fd
 
 
 def unlock(fd: int) -> None:
     """Release a lock taken by :func:`try_lock_exclusive` and close its descriptor."""
+    fs = _system.current
     try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fs.flock(fd, fcntl.LOCK_UN)
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
 def lock_exclusive(fd: int) -> None:
     """Wait for an exclusive lock on an open descriptor (cross-client on JuiceFS, A8)."""
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    _system.current.flock(fd, fcntl.LOCK_EX)
 
 
 def unlock_only(fd: int) -> None:
     """Release a lock taken by :func:`lock_exclusive`, keeping the descriptor open."""
-    fcntl.flock(fd, fcntl.LOCK_UN)
+    _system.current.flock(fd, fcntl.LOCK_UN)
 
 
 def open_lock_file(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+    return _system.current.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
 
 
 def create_locked(path: str) -> int:
@@ -56,15 +60,16 @@ def create_locked(path: str) -> int:
     Nobody can see ``path`` unlocked, so a collector that takes its lock knows the
     holder is gone (docs/GC.md, writer liveness). Fails if ``path`` exists.
     """
+    fs = _system.current
     directory, name = os.path.split(path)
     temp = os.path.join(directory, f".{name}.{os.getpid()}.{id(path):x}.tmp")
-    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+    fd = fs.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.link(temp, path)
+        fs.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fs.link(temp, path)
     except BaseException:
-        os.close(fd)
-        os.unlink(temp)
+        fs.close(fd)
+        fs.unlink(temp)
         raise
-    os.unlink(temp)
+    fs.unlink(temp)
     return fd

@@ -15,11 +15,13 @@ from collections.abc import Callable, Sequence
 
 from ..errors import QuotaExceeded, StorageUnavailable, invariant
 from ..limits import IOVEC_COUNT_MAX, SYSCALL_BYTES_MAX
+from . import system as _system
 
 Buffer = bytes | bytearray | memoryview
 
 _QUOTA_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def storage_error(error: OSError, what: str) -> StorageUnavailable:
@@ -35,21 +37,21 @@ def storage_error(error: OSError, what: str) -> StorageUnavailable:
 
 
 def open_read(path: str) -> int:
-    return os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    return _system.current.open(path, os.O_RDONLY | _O_CLOEXEC)
 
 
 def create_exclusive(path: str) -> int:
     """Create a new file for writing; fails if it exists."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+    return _system.current.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
 
 
 def open_append(path: str) -> int:
-    return os.open(path, os.O_WRONLY | _O_CLOEXEC)
+    return _system.current.open(path, os.O_WRONLY | _O_CLOEXEC)
 
 
 def close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
-        os.close(fd)
+        _system.current.close(fd)
 
 
 def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
@@ -71,7 +73,7 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
                 break
             group.append(view)
             size += view.nbytes
-        written = os.pwritev(fd, group, position) if size else 0
+        written = _system.current.pwritev(fd, group, position) if size else 0
         invariant(written > 0 or size == 0, "pwritev made progress")
         position += written
         while pending and (written or pending[0].nbytes == 0):
@@ -95,7 +97,7 @@ def _flat(buffer: Buffer) -> memoryview:
 def pread_exact(fd: int, size: int, offset: int) -> bytes | bytearray:
     """Read ``size`` bytes at ``offset``; a shorter result means end of file."""
     if size <= SYSCALL_BYTES_MAX:
-        data = os.pread(fd, size, offset)
+        data = _system.current.pread(fd, size, offset)
         if len(data) == size or not data:
             return data
         got = len(data)
@@ -114,7 +116,7 @@ def preadinto(fd: int, target: memoryview, offset: int) -> int:
     total = target.nbytes
     while got < total:
         step = min(total - got, SYSCALL_BYTES_MAX)
-        n = os.preadv(fd, [target[got : got + step]], offset + got)
+        n = _system.current.preadv(fd, [target[got : got + step]], offset + got)
         if n == 0:
             break
         got += n
@@ -123,30 +125,28 @@ def preadinto(fd: int, target: memoryview, offset: int) -> int:
 
 def sync_file(fd: int) -> None:
     """Flush a file's data and the metadata needed to read it back (size)."""
-    if hasattr(os, "fdatasync"):
-        os.fdatasync(fd)
-    else:  # pragma: no cover - macOS
-        os.fsync(fd)
+    _system.current.fdatasync(fd)
 
 
 def sync_dir(path: str) -> None:
     """Make entries created or renamed in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
+    fs = _system.current
+    fd = fs.open(path, os.O_RDONLY | _O_CLOEXEC | _O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fs.fsync(fd)
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
 def rename(source: str, target: str) -> None:
     """Atomically move ``source`` over ``target`` (same directory)."""
-    os.rename(source, target)
+    _system.current.rename(source, target)
 
 
 def link_new(source: str, target: str) -> bool:
     """Atomically give ``source`` a second name ``target``; False if ``target`` exists."""
     try:
-        os.link(source, target)
+        _system.current.link(source, target)
     except FileExistsError:
         return False
     return True
@@ -154,22 +154,22 @@ def link_new(source: str, target: str) -> bool:
 
 def truncate(fd: int, size: int) -> None:
     """Cut a file to ``size`` bytes (the caller syncs it)."""
-    os.ftruncate(fd, size)
+    _system.current.ftruncate(fd, size)
 
 
 def unlink(path: str) -> None:
-    os.unlink(path)
+    _system.current.unlink(path)
 
 
 def unlink_quietly(path: str) -> None:
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        _system.current.unlink(path)
 
 
 def rmdir_quietly(path: str) -> bool:
     """Remove an empty directory; False if it is not there or not empty."""
     try:
-        os.rmdir(path)
+        _system.current.rmdir(path)
     except OSError:
         return False
     return True
@@ -178,7 +178,7 @@ def rmdir_quietly(path: str) -> bool:
 def mkdir_new(path: str) -> bool:
     """Create a directory; False if it already exists."""
     try:
-        os.mkdir(path, 0o755)
+        _system.current.mkdir(path, 0o755)
     except FileExistsError:
         return False
     return True
@@ -192,3 +192,55 @@ def retry_open(path: str, delays: Sequence[float], sleep: Callable[[float], None
         except FileNotFoundError:
             sleep(delay)
     return open_read(path)
+
+
+def close(fd: int) -> None:
+    _system.current.close(fd)
+
+
+def fstat_size(fd: int) -> int:
+    """The size of an open file."""
+    return _system.current.fstat_size(fd)
+
+
+def listdir(path: str) -> list[str]:
+    return _system.current.listdir(path)
+
+
+def exists(path: str) -> bool:
+    return _system.current.exists(path)
+
+
+def isdir(path: str) -> bool:
+    return _system.current.isdir(path)
+
+
+def getsize(path: str) -> int:
+    return _system.current.getsize(path)
+
+
+def read_file(path: str, limit: int | None = None) -> bytes:
+    """The whole file at ``path`` (or its first ``limit`` bytes); raises ``OSError`` like ``open``."""
+    fs = _system.current
+    fd = fs.open(path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        size = fs.fstat_size(fd)
+        if limit is not None:
+            size = min(size, limit)
+        return bytes(pread_exact(fd, size, 0))
+    finally:
+        fs.close(fd)
+
+
+def makedirs(path: str) -> None:
+    """Create ``path`` and its missing parents (not synced: for directories outside the pool)."""
+    missing: list[str] = []
+    current = path
+    while current and not isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        mkdir_new(directory)

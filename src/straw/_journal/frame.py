@@ -30,6 +30,11 @@ FRAME_HEADER_BYTES = _FRAME.size + 8
 #: Largest frame body a reader accepts (a transaction or a snapshot).
 FRAME_BODY_BYTES_MAX = 4 * 1024**3
 
+#: Largest "lag" a frame header records: how many frames back the last durable frame was
+#: when the frame was framed (FORMAT.md 8.2). 0 means "not recorded"; a larger lag is not
+#: recorded either, so a recorded lag is always exact.
+FRAME_LAG_MAX = 0xFFFF
+
 invariant(SEGMENT_HEADER_BYTES == 64 and FRAME_HEADER_BYTES == 64, "journal headers are 64 bytes")
 
 
@@ -82,11 +87,18 @@ def decode_segment_header(data: bytes | bytearray | memoryview, magic: bytes) ->
 # --------------------------------------------------------------------------- frames
 
 
-def encode_frame(seq: int, previous_chain: bytes, body: bytes) -> tuple[bytes, bytes]:
-    """(header, chain after this frame). The body is written after the header unchanged."""
+def encode_frame(
+    seq: int, previous_chain: bytes, body: bytes, durable: int | None = None
+) -> tuple[bytes, bytes]:
+    """(header, chain after this frame). The body is written after the header unchanged.
+
+    ``durable`` is the last frame known durable when this one is framed: the header records
+    the distance (its lag), which lets recovery tell a torn tail from damaged durable frames.
+    """
     body_digest = xxhash.xxh3_128_digest(body)
     chain = next_chain(previous_chain, body_digest)
-    head = _FRAME.pack(FRAME_MAGIC, JOURNAL_VERSION, 0, seq, len(body), chain, body_digest)
+    lag = seq - durable if durable is not None and 0 < seq - durable <= FRAME_LAG_MAX else 0
+    head = _FRAME.pack(FRAME_MAGIC, JOURNAL_VERSION, lag, seq, len(body), chain, body_digest)
     return head + xxhash.xxh3_64_digest(head), chain
 
 
@@ -95,8 +107,8 @@ class Decision(enum.Enum):
 
     END = "end"  # clean end of the segment
     FRAME = "frame"  # a valid frame: keep it and continue after it
-    TORN = "torn"  # an incomplete final frame (or an unwritten zero tail): truncate here
-    CORRUPT = "corrupt"  # a complete but damaged or foreign frame: fail closed
+    TORN = "torn"  # a final write that did not finish (or an unwritten zero tail): truncate here
+    CORRUPT = "corrupt"  # damage to a frame proven durable, or a foreign frame: fail closed
 
 
 @dataclass(frozen=True)
@@ -132,7 +144,7 @@ def classify(
     if magic != FRAME_MAGIC or xxhash.xxh3_64_digest(head) != bytes(view[_FRAME.size : FRAME_HEADER_BYTES]):
         if not view.tobytes().strip(b"\x00"):
             return Verdict(Decision.TORN, f"{remaining} zero bytes after the last frame (unwritten tail)")
-        return Verdict(Decision.CORRUPT, f"damaged frame header at offset {at}")
+        return _damaged(view, expected_seq, f"damaged frame header at offset {at}")
     if version != JOURNAL_VERSION:
         raise UnsupportedSchema(f"journal frame version {version} is not supported")
     if seq != expected_seq:
@@ -145,9 +157,41 @@ def classify(
         )
     body = bytes(view[FRAME_HEADER_BYTES : FRAME_HEADER_BYTES + length])
     if xxhash.xxh3_128_digest(body) != body_digest:
-        return Verdict(Decision.CORRUPT, f"frame {seq} body checksum mismatch")
+        return _damaged(view, expected_seq, f"frame {seq} body checksum mismatch")
     if next_chain(previous_chain, body_digest) != chain:
         return Verdict(
             Decision.CORRUPT, f"frame {seq} does not continue the chain (foreign or reordered journal)"
         )
     return Verdict(Decision.FRAME, "valid", Frame(seq, chain, body, at + FRAME_HEADER_BYTES + length))
+
+
+def _damaged(view: memoryview, expected_seq: int, what: str) -> Verdict:
+    """A damaged frame: CORRUPT if a later frame proves it was durable, else a torn final write.
+
+    Under A1 a crash leaves synced bytes intact, so damage can only lie in what was written
+    after the last sync that returned; nothing there was acknowledged (J2), and truncating it
+    loses no acknowledged call. A later frame whose header verifies and whose lag says the
+    damaged frame was already durable when it was framed proves the damage is not a torn
+    write: recovery fails closed (DURABILITY.md, journal recovery decision table).
+    """
+    proof = _durable_witness(view, expected_seq)
+    if proof is not None:
+        return Verdict(
+            Decision.CORRUPT,
+            f"{what}, although frame {proof} after it was written once frame {expected_seq} was durable",
+        )
+    return Verdict(Decision.TORN, f"{what}; nothing after it was written once it was durable (a torn write)")
+
+
+def _durable_witness(view: memoryview, damaged_seq: int) -> int | None:
+    """The sequence number of a later valid frame header framed after ``damaged_seq`` was durable."""
+    data = view.tobytes()
+    position = data.find(FRAME_MAGIC, 1)
+    while 0 <= position <= len(data) - FRAME_HEADER_BYTES:
+        head = data[position : position + _FRAME.size]
+        if xxhash.xxh3_64_digest(head) == data[position + _FRAME.size : position + FRAME_HEADER_BYTES]:
+            _, _, lag, seq, _, _, _ = _FRAME.unpack(head)
+            if lag and seq > damaged_seq and seq - lag >= damaged_seq:
+                return int(seq)
+        position = data.find(FRAME_MAGIC, position + 1)
+    return None

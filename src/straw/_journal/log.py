@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .._fs import durable, posix
 from ..backend import FilesystemBackend
 from ..errors import CorruptData, UnsafeRecovery, invariant
-from ..limits import JOURNAL_PREALLOC_BYTES
+from ..limits import JOURNAL_PREALLOC_BYTES, JOURNAL_SYNCS_IN_FLIGHT
 from . import frame
 
 WAL_DIR = "wal"
@@ -36,7 +36,7 @@ def _name(seq: int, suffix: str) -> str:
 def _listing(directory: str, suffix: str) -> list[tuple[int, str]]:
     """(seq, path) of the files in ``directory`` named by a sequence number, in order."""
     out = []
-    for name in os.listdir(directory):
+    for name in posix.listdir(directory):
         if name.endswith(suffix) and len(name) == _DIGITS + len(suffix) and name[:_DIGITS].isdigit():
             out.append((int(name[:_DIGITS]), os.path.join(directory, name)))
     return sorted(out)
@@ -68,8 +68,10 @@ class Journal:
         self._next_seq = 1
         self._chain = frame.genesis_chain(tag)
         self._durable = 0
+        self._written = 0  # the last frame written to the file (durable once a later sync returns)
         self._pending: list[bytes] = []
-        self._flushing = False
+        self._writing = False  # one batch is written at a time, in sequence order
+        self._syncing = 0  # syncs in flight (at most JOURNAL_SYNCS_IN_FLIGHT)
         self._failed: BaseException | None = None
         self.segment_first_seq = 1
         self._allocated = 0
@@ -82,7 +84,7 @@ class Journal:
     def exists(self) -> bool:
         """True if any segment or snapshot is present (a fresh queue must not open over it)."""
         for sub, suffix in ((self.wal, ".wal"), (self.snap, ".snap")):
-            if os.path.isdir(sub) and _listing(sub, suffix):
+            if posix.isdir(sub) and _listing(sub, suffix):
                 return True
         return False
 
@@ -95,7 +97,7 @@ class Journal:
         for sub, suffix in ((self.wal, ".wal"), (self.snap, ".snap")):
             for _, path in _listing(sub, suffix):
                 try:
-                    total += os.path.getsize(path)
+                    total += posix.getsize(path)
                 except FileNotFoundError:
                     continue
         return total
@@ -157,10 +159,25 @@ class Journal:
                     break
                 raise CorruptData(f"journal {path}: {verdict.reason}; refusing to recover past damage")
             position_seq = (running_seq, running_chain)
+        if live and truncated is None:
+            # J4.3: frames a killed process wrote but never synced are in the page cache, and
+            # this replay just applied them. Sync before anything is built on them, so that a
+            # later power loss cannot take back what the recovered coordinator has served.
+            self._sync_path(live[-1][1])
         self._next_seq = seq + 1
         self._chain = chain
-        self._durable = seq
+        self._durable = self._written = seq
         return Recovered(snapshot, self.segment_first_seq, seq, chain, truncated)
+
+    def _sync_path(self, path: str) -> None:
+        try:
+            fd = posix.open_append(path)
+            try:
+                self.backend.sync_file(fd)
+            finally:
+                posix.close_quietly(fd)
+        except OSError as error:
+            raise posix.storage_error(error, f"syncing journal {path}") from error
 
     def _check_tag(self, tag: bytes, path: str) -> None:
         if tag != self.tag:
@@ -168,8 +185,7 @@ class Journal:
 
     def _read_file(self, path: str) -> bytes:
         try:
-            with open(path, "rb") as handle:
-                return handle.read()
+            return posix.read_file(path)
         except OSError as error:
             raise posix.storage_error(error, f"reading journal {path}") from error
 
@@ -200,7 +216,7 @@ class Journal:
         first = self._next_seq
         path = os.path.join(self.wal, _name(first, ".wal"))
         header = frame.encode_segment_header(frame.SEGMENT_MAGIC, first, self._chain, self.tag)
-        if os.path.exists(path):
+        if posix.exists(path):
             # A segment that starts here but holds no frame (replay ended before its first frame).
             tail = self._read_file(path)[frame.SEGMENT_HEADER_BYTES :]
             invariant(not tail.strip(b"\0"), "only an empty segment is reused")
@@ -225,6 +241,7 @@ class Journal:
 
     def close(self) -> None:
         """Close the segment; a clean close cuts the zero-filled space after the last frame."""
+        self._quiesce()
         if self._fd >= 0:
             try:
                 if self._failed is None and not self._pending and self._allocated > self._offset:
@@ -244,7 +261,7 @@ class Journal:
         with self._cv:
             self._check_failed()
             seq = self._next_seq
-            header, self._chain = frame.encode_frame(seq, self._chain, body)
+            header, self._chain = frame.encode_frame(seq, self._chain, body, self._durable)
             self._pending += (header, body)
             self._next_seq = seq + 1
             self.metrics["appends"] += 1
@@ -259,22 +276,28 @@ class Journal:
         return self._chain
 
     def wait(self, seq: int) -> None:
-        """Return once frame ``seq`` (and every earlier one) is durable; lead a flush if none runs."""
+        """Return once frame ``seq`` (and every earlier one) is durable; lead a flush if none covers it."""
         with self._cv:
             while self._durable < seq:
                 self._check_failed()
-                if self._flushing:
+                if seq > self._written and not self._writing and self._syncing < JOURNAL_SYNCS_IN_FLIGHT:
+                    self._flush_locked()
+                else:
                     self._cv.wait()
-                    continue
-                self._flush_locked()
 
     def _flush_locked(self) -> None:
-        self._flushing = True
+        """J2.2 for one batch: write the pending frames, then sync them (the caller holds ``_cv``).
+
+        Writes are serial, syncs overlap (J2.4): a batch may be written and synced while the
+        previous batch's sync is still running. A sync that returns makes durable every frame
+        written before it started, so the durable mark only moves forward, to that batch's end.
+        """
+        self._writing = True
         # Let threads that are about to append join this batch (one scheduler yield, no sleep).
         self._cv.release()
         os.sched_yield()
         self._cv.acquire()
-        batch, last, offset = self._pending, self._next_seq - 1, self._offset
+        batch, last, offset, fd = self._pending, self._next_seq - 1, self._offset, self._fd
         self._pending = []
         self._cv.release()
         error: BaseException | None = None
@@ -283,19 +306,38 @@ class Journal:
             written = self._write(batch, offset)
         except BaseException as caught:
             error = caught
-        finally:
-            self._cv.acquire()
-            self._flushing = False
-            self._cv.notify_all()
+        self._cv.acquire()
+        self._writing = False
+        if error is None:
+            self._offset = offset + written
+            self._written = last
+            self.bytes_since_snapshot += written
+            self._syncing += 1
+        self._cv.notify_all()
+        if error is None:
+            self._cv.release()
+            try:
+                self.backend.sync_file(fd)
+                self.backend.fault("after_journal_sync")
+            except BaseException as caught:
+                error = caught
+            finally:
+                self._cv.acquire()
+                self._syncing -= 1
+                self._cv.notify_all()
         if error is not None:
             # J3: after a failed journal write or sync the file's state is unknown; stop (fail-stop).
             self._failed = error
             raise error
-        self._offset = offset + written
-        self._durable = last
-        self.bytes_since_snapshot += written
+        self._durable = max(self._durable, last)
         self.metrics["syncs"] += 1
         self.metrics["batches"] += 1
+
+    def _quiesce(self) -> None:
+        """Wait until no batch is being written or synced (before the segment's descriptor changes)."""
+        with self._cv:
+            while self._writing or self._syncing:
+                self._cv.wait()
 
     def _write(self, batch: list[bytes], offset: int) -> int:
         end = offset + sum(len(b) for b in batch)
@@ -309,8 +351,6 @@ class Journal:
             posix.pwrite_all(self._fd, [bytes(target - start)], start)
             self._allocated = target
         self.backend.fault("after_journal_append")
-        self.backend.sync_file(self._fd)
-        self.backend.fault("after_journal_sync")
         return written
 
     def _check_failed(self) -> None:
@@ -328,6 +368,7 @@ class Journal:
 
     def write_snapshot(self, body: bytes) -> None:
         """Persist the state as of the last durable frame, start a new segment, drop the old files."""
+        self._quiesce()
         invariant(not self._pending and self._durable == self._next_seq - 1, "snapshot of a durable state")
         seq, chain = self._durable, self._chain
         header = frame.encode_segment_header(frame.SNAPSHOT_MAGIC, seq, chain, self.tag)

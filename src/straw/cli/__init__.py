@@ -3,6 +3,8 @@
 Subcommands:
 
 * ``straw bench``: benchmark and verify a pool on one filesystem (``straw.benchmark``).
+* ``straw inspect POOL``: describe packs, owners and queues (``straw._inspect``).
+* ``straw check POOL [--fix]``: verify a pool and make only safe repairs (docs/CHECK.md).
 
 ``straw`` alone prints this help; ``straw --version`` prints the installed version.
 """
@@ -10,11 +12,29 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 from straw import benchmark
+from straw._inspect import cli as inspect_cli
 
 __all__ = ["build_parser", "main"]
+
+
+def _printing(
+    run: Callable[[argparse.Namespace], inspect_cli.Outcome],
+) -> Callable[[argparse.Namespace], int]:
+    """A handler that prints what ``run`` returns: the report on stdout, messages on stderr."""
+
+    def handler(options: argparse.Namespace) -> int:
+        code, out, err = run(options)
+        if out:
+            print(out)
+        if err:
+            print(err, file=sys.stderr)
+        return code
+
+    return handler
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     benchmark.add_arguments(bench)
     bench.set_defaults(handler=benchmark.run)
+    inspect = commands.add_parser(
+        "inspect",
+        help="describe a pool: packs, owners, queues (--json for tools, --why PACK)",
+        description=inspect_cli.INSPECT_DESCRIPTION,
+        epilog=inspect_cli.INSPECT_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    inspect_cli.add_inspect_arguments(inspect)
+    inspect.set_defaults(handler=_printing(inspect_cli.run_inspect))
+    check = commands.add_parser(
+        "check",
+        help="verify every frame, checksum and owner of a pool; --fix makes only safe repairs",
+        description=inspect_cli.CHECK_DESCRIPTION,
+        epilog=inspect_cli.CHECK_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    inspect_cli.add_check_arguments(check)
+    check.set_defaults(handler=_printing(inspect_cli.run_check))
     return parser
 
 

@@ -1,0 +1,353 @@
+"""``straw check``: verify a pool and, with ``fix``, make only repairs that lose nothing acknowledged.
+
+docs/CHECK.md lists every finding code, what ``--fix`` does about it and why
+that cannot lose acknowledged data. Without ``fix`` nothing in the pool
+changes (locks are taken only the way every client takes them: the catalog's
+for a consistent read, a dead writer's ``LIVE`` lock for a moment to tell it is
+dead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass, field
+
+from .._catalog.state import CatalogState
+from .._fs import durable, lock, posix
+from .._journal import frame as journal_frame
+from .._pack import frame as pack_frame
+from ..coordinator import LOCK_FILE
+from .catalog_view import CatalogView, _load, catalog_lock
+from .gather import Pool, gather
+from .journal_scan import Tail, scan_journal
+from .layout import NotAPool
+from .queue_view import QueueView
+
+__all__ = ["ERROR", "INFO", "REPAIRABLE", "CheckReport", "Finding", "NotAPool", "check_pool"]
+
+ERROR, REPAIRABLE, INFO = "error", "repairable", "info"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``check`` noticed, with a stable dotted ``code`` (docs/CHECK.md)."""
+
+    code: str
+    severity: str  # error | repairable | info
+    path: str  # pool-relative ("" for the pool)
+    message: str
+    repair: str | None = None
+
+
+@dataclass
+class CheckReport:
+    """What a check found (before repairs) and what ``fix`` repaired."""
+
+    root: str
+    findings: list[Finding]
+    repaired: list[Finding]
+    run_ids: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no finding of severity error or repairable remains unrepaired."""
+        return not self.remaining()
+
+    def remaining(self) -> list[Finding]:
+        done = set(self.repaired)
+        return [f for f in self.findings if f.severity != INFO and f not in done]
+
+    @property
+    def foreign(self) -> bool:
+        """True when something in the pool belongs to another run than the one asked about."""
+        return any(f.code == "pool.foreign_run" for f in self.findings)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "root": self.root,
+            "ok": self.ok,
+            "run_ids": list(self.run_ids),
+            "findings": [asdict(f) for f in self.findings],
+            "repaired": [asdict(f) for f in self.repaired],
+            "remaining": len(self.remaining()),
+        }
+
+
+def _finding(problem: tuple[str, str, str, str], repair: str | None = None) -> Finding:
+    code, severity, path, message = problem
+    return Finding(code, severity, path, message, repair)
+
+
+def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str | None = None) -> CheckReport:
+    """Check every pack, journal and catalog frame and the ownership of every root.
+
+    Raises :class:`NotAPool` when ``root`` is not a pool. Safe beside live
+    writers and coordinators; with ``fix`` it repairs only what docs/CHECK.md
+    lists as repairable, skipping queues whose coordinator is alive.
+    """
+    pool = gather(root, fix_catalog=fix)
+    findings: list[Finding] = []
+    repaired: list[Finding] = []
+    catalog_repair = "cut the log at the torn frame under catalog/LOCK (what the next lock holder does, G2)"
+    for problem in pool.catalog.problems:
+        finding = _finding(problem, catalog_repair if problem[1] == REPAIRABLE else None)
+        findings.append(finding)
+        if problem in pool.catalog_repaired:
+            repaired.append(finding)
+    findings += _pack_findings(pool, run_id)
+    findings += _owner_findings(pool)
+    for view in pool.queues:
+        findings += _queue_findings(pool, view, run_id)
+    if fix:
+        repaired += _repair(pool, findings)
+    run_ids = sorted({v.run_id for v in pool.queues if v.run_id is not None})
+    return CheckReport(pool.root, findings, repaired, run_ids)
+
+
+# --------------------------------------------------------------------------- packs
+
+
+def _pack_findings(pool: Pool, run_id: str | None) -> list[Finding]:
+    out: list[Finding] = []
+    state = pool.catalog.state
+    tag = pack_frame.run_tag(run_id) if run_id is not None else None
+    for pack in pool.layout.packs:
+        if pack.path in state.tombstones:
+            out.append(
+                Finding(
+                    "pack.tombstoned_present",
+                    REPAIRABLE,
+                    pack.path,
+                    f"{pack.path} was tombstoned but is still on disk (a collection stopped between "
+                    "its tombstone and the unlink)",
+                    "unlink it: its tombstone is durable, so nothing may reference it (I14, I15)",
+                )
+            )
+            continue
+        if pack.path in pool.unreadable:
+            out.append(
+                Finding(
+                    "pack.unreadable",
+                    ERROR,
+                    pack.path,
+                    f"{pack.path} cannot be read: {pool.unreadable[pack.path]}",
+                )
+            )
+            continue
+        scan = pool.scans.get(pack.path)
+        if scan is None:
+            continue
+        for code, severity, message in scan.problems:
+            out.append(Finding(code, severity, pack.path, message))
+        if tag is not None and scan.header is not None and scan.header.run_tag != tag:
+            out.append(
+                Finding(
+                    "pool.foreign_run",
+                    ERROR,
+                    pack.path,
+                    f"{pack.path} was written by another run than {run_id!r}",
+                )
+            )
+        out += _seal_findings(
+            pool, pack.path, pack.writer, scan.sealed, {e.index_offset for e in scan.extents}
+        )
+    for temp in pool.layout.temps:
+        out.append(
+            Finding(
+                "pack.temp", INFO, temp, f"{temp} is a temporary file (a write in progress or a crashed one)"
+            )
+        )
+    for stray in pool.layout.strays:
+        out.append(Finding("pool.stray", INFO, stray, f"{stray} is not a file straw writes"))
+    return out
+
+
+def _seal_findings(pool: Pool, path: str, writer: str, sealed: bool, offsets: set[int]) -> list[Finding]:
+    info = pool.catalog.state.packs.get(path)
+    out = []
+    if info is not None and info.sealed and info.extents is not None:
+        missing = sorted(set(info.extents) - offsets)
+        if missing:
+            out.append(
+                Finding(
+                    "pack.missing_extent",
+                    ERROR,
+                    path,
+                    f"{path}: the catalog recorded extents at offsets {missing} that the pack "
+                    "no longer holds",
+                )
+            )
+    if not sealed and (info is None or not info.sealed):
+        if pool.alive.get(writer, True):
+            out.append(Finding("pack.open", INFO, path, f"{path} is the open pack of a live writer"))
+        else:
+            out.append(
+                Finding(
+                    "pack.unsealed_dead",
+                    INFO,
+                    path,
+                    f"{path} was left unsealed by a writer that died; the next collection "
+                    "seals it in the catalog",
+                )
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- owners
+
+
+def _owner_findings(pool: Pool) -> list[Finding]:
+    state: CatalogState = pool.catalog.state
+    if not pool.catalog.complete:
+        return []  # ownership is unknown past catalog damage (already reported)
+    on_disk = pool.on_disk
+    out = []
+    for owner in sorted(state.owners):
+        for path in sorted(state.owners[owner]):
+            if path in on_disk and path not in state.tombstones:
+                continue
+            if path in state.tombstones:
+                message = f"owner {owner!r} reaches {path}, which was garbage-collected (I15 broken)"
+            else:
+                message = f"owner {owner!r} reaches {path}, which is not on disk"
+            out.append(Finding("owner.missing_pack", ERROR, path, message))
+    return out
+
+
+# --------------------------------------------------------------------------- queues
+
+
+def _queue_findings(pool: Pool, view: QueueView, run_id: str | None) -> list[Finding]:
+    out = [_finding(p) for p in view.problems]
+    if run_id is not None and view.run_id is not None and view.run_id != run_id:
+        out.append(
+            Finding(
+                "pool.foreign_run",
+                ERROR,
+                view.directory,
+                f"queue {view.queue_id!r} in {view.directory} belongs to run {view.run_id!r}, not {run_id!r}",
+            )
+        )
+    tail = view.journal.tail
+    if tail is not None and tail.kind == "torn":
+        if _settled(pool.root, view, tail):
+            out.append(
+                Finding(
+                    "journal.torn_tail",
+                    REPAIRABLE,
+                    tail.path,
+                    f"{tail.path}: {tail.reason} at offset {tail.offset} (a final frame whose write never "
+                    "completed, so never acknowledged)",
+                    "truncate the segment there, as recovery does (J4.3); "
+                    "skipped while a coordinator holds the queue",
+                )
+            )
+        else:
+            out.append(Finding("journal.live_tail", INFO, tail.path, f"{tail.path} is being written"))
+    elif tail is not None and tail.kind == "zeros":
+        out.append(
+            Finding(
+                "journal.zero_tail",
+                INFO,
+                tail.path,
+                f"{tail.path} ends with zero-filled space after its last frame (J1.1; recovery cuts it)",
+            )
+        )
+    roots = pool.roots.get(view.directory)
+    if roots is None or not pool.catalog.complete:
+        return out
+    for path, message in roots.unreadable:
+        out.append(
+            Finding(
+                "root.unreadable",
+                ERROR,
+                path,
+                f"queue {view.queue_id!r} names data it cannot read: {message}",
+            )
+        )
+    owned = pool.catalog.state.owners.get(view.owner() or "", set())
+    on_disk = pool.on_disk
+    for path in sorted(roots.packs):
+        if path not in on_disk:
+            out.append(
+                Finding(
+                    "root.missing_pack",
+                    ERROR,
+                    path,
+                    f"queue {view.queue_id!r} still needs {path}, which is gone",
+                )
+            )
+        elif path not in owned:
+            out.append(
+                Finding(
+                    "root.unowned",
+                    ERROR,
+                    path,
+                    f"queue {view.queue_id!r} needs {path} but its owner {view.owner()} "
+                    "does not reach it (I16)",
+                )
+            )
+    return out
+
+
+def _settled(root: str, view: QueueView, tail: Tail) -> bool:
+    """Read the journal again: a tail that changed in between is a live coordinator's write."""
+    if view.identity is None:
+        return True
+    tag = journal_frame.identity_tag(view.identity["run_id"], view.identity["queue_id"])
+    again = scan_journal(root, view.directory, tag).tail
+    return again is not None and (again.path, again.offset, again.kind) == (tail.path, tail.offset, tail.kind)
+
+
+# --------------------------------------------------------------------------- repairs
+
+
+def _repair(pool: Pool, findings: list[Finding]) -> list[Finding]:
+    repaired: list[Finding] = []
+    tombstoned = [f for f in findings if f.code == "pack.tombstoned_present"]
+    if tombstoned:
+        repaired += _unlink_tombstoned(pool.root, tombstoned)
+    for finding in findings:
+        if finding.code == "journal.torn_tail":
+            view = next(v for v in pool.queues if finding.path.startswith(v.directory + "/"))
+            if _cut_journal(pool.root, view):
+                repaired.append(finding)
+    return repaired
+
+
+def _unlink_tombstoned(root: str, findings: list[Finding]) -> list[Finding]:
+    """Finish interrupted unlinks (G4.2) under the catalog lock, after reading the tombstones again."""
+    done = []
+    with catalog_lock(root, create=True):
+        view = CatalogView(present=True)
+        _load(root, view)
+        directories = set()
+        for finding in findings:
+            if finding.path not in view.state.tombstones:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                posix.unlink(os.path.join(root, finding.path))
+            directories.add(os.path.dirname(os.path.join(root, finding.path)))
+            done.append(finding)
+        for directory in sorted(directories):
+            posix.sync_dir(directory)
+    return done
+
+
+def _cut_journal(root: str, view: QueueView) -> bool:
+    """Cut a torn journal tail while holding the queue's lock; False if a coordinator holds it."""
+    fd = lock.try_lock_exclusive(os.path.join(root, view.directory, LOCK_FILE))
+    if fd is None:
+        return False
+    try:
+        if view.identity is None:
+            return False
+        tag = journal_frame.identity_tag(view.identity["run_id"], view.identity["queue_id"])
+        tail = scan_journal(root, view.directory, tag).tail
+        if tail is None or tail.kind != "torn":
+            return False
+        durable.cut_tail(os.path.join(root, tail.path), tail.offset, posix.sync_file)
+        return True
+    finally:
+        lock.unlock(fd)

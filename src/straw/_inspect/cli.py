@@ -1,0 +1,95 @@
+"""Argument parsing and handlers of ``straw inspect`` and ``straw check`` (printing lives here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import QueueError
+from .check import CheckReport, check_pool
+from .layout import NotAPool
+from .render import render_check, render_inspect, render_why
+from .view import UnknownPack, inspect_pool, why
+
+CHECK_DESCRIPTION = """\
+Verify a pool: every pack frame and checksum, every journal and catalog frame,
+that every live root of every queue is owned and every owned pack exists.
+Read-only unless --fix, which only makes repairs that cannot lose acknowledged
+data (docs/CHECK.md): finishing the unlink of a tombstoned pack, cutting a torn
+journal or catalog tail. Queues whose coordinator is alive are never touched.
+"""
+
+CHECK_EXIT_CODES = """\
+exit codes:
+  0  clean (or every finding was repaired by --fix); notes of severity info may remain
+  1  findings remain (errors, or repairable findings without --fix)
+  2  cannot check: not a pool, unreadable, a foreign run (--run-id), or bad usage
+"""
+
+INSPECT_DESCRIPTION = """\
+Describe a pool: packs (size, sealed or open, live and dead bytes, owners),
+owners and what they retain, and every queue (tasks by state, leases with age
+and holder, accepted commits, consumers and cursors, journal size and last
+snapshot). Read-only; safe beside live writers and coordinators.
+"""
+
+INSPECT_EXIT_CODES = """\
+exit codes:
+  0  printed
+  2  not a pool, unreadable, an unknown pack for --why, or bad usage
+"""
+
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pool", help="the pool's root directory")
+    parser.add_argument("--fix", action="store_true", help="make the safe repairs (docs/CHECK.md)")
+    parser.add_argument("--run-id", metavar="RUN", help="assert that the pool belongs to run RUN")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pool", help="the pool's root directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument(
+        "--why", metavar="PACK", help="explain why a pack (raw/<writer>/<segment>.pack) is kept"
+    )
+
+
+Outcome = tuple[int, str, str]  # exit code, text for stdout, text for stderr
+
+
+def _fail(message: str) -> Outcome:
+    return 2, "", f"straw: {message}"
+
+
+def _json(document: Any) -> str:
+    return json.dumps(document, indent=2, sort_keys=True)
+
+
+def run_check(options: argparse.Namespace) -> Outcome:
+    """``straw check``; the command line prints the texts (no printing below straw/cli/)."""
+    try:
+        report: CheckReport = check_pool(options.pool, fix=options.fix, run_id=options.run_id)
+    except NotAPool as error:
+        return _fail(str(error))
+    except (OSError, QueueError) as error:
+        return _fail(f"cannot check {options.pool}: {error}")
+    text = _json(report.to_json()) if options.json else render_check(report, fixed=options.fix)
+    if report.foreign:
+        return 2, text, f"straw: {options.pool} holds data of another run than {options.run_id!r}"
+    return (0 if report.ok else 1), text, ""
+
+
+def run_inspect(options: argparse.Namespace) -> Outcome:
+    """``straw inspect``."""
+    try:
+        if options.why:
+            answer = why(options.pool, options.why)
+            return 0, _json(answer) if options.json else render_why(answer), ""
+        data = inspect_pool(options.pool)
+    except (NotAPool, UnknownPack) as error:
+        return _fail(str(error))
+    except (OSError, QueueError) as error:
+        return _fail(f"cannot inspect {options.pool}: {error}")
+    return 0, _json(data) if options.json else render_inspect(data), ""

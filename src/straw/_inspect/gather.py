@@ -1,0 +1,130 @@
+"""Everything check and inspect read from a pool, read once and in a safe order.
+
+Queue journals are read before the catalog: a coordinator records ownership of
+a reference in the catalog before its journal names it (G6), so a catalog read
+after the journal covers every reference that journal read found (I16).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backend import FilesystemBackend
+from ..errors import QueueError
+from ..protocol import RecordRef, RecordSetRef, decode
+from ..store import ReadSession
+from .catalog_view import CatalogView, read_catalog
+from .layout import Layout, list_pool, open_pool, writer_alive
+from .packs import PackScan, scan_pack
+from .queue_view import QueueView, load_queue, progress_ref, root_refs
+
+
+@dataclass
+class RootSet:
+    """The packs one queue's roots reach, and the roots that could not be resolved."""
+
+    refs: int = 0
+    packs: set[str] = field(default_factory=set)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (pack or "", message)
+
+
+@dataclass
+class Pool:
+    root: str
+    layout: Layout
+    catalog: CatalogView
+    queues: list[QueueView]
+    scans: dict[str, PackScan] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)  # pack -> OS error text
+    alive: dict[str, bool] = field(default_factory=dict)  # writer -> alive
+    roots: dict[str, RootSet] = field(default_factory=dict)  # queue directory -> roots
+    catalog_repaired: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    @property
+    def on_disk(self) -> dict[str, int]:
+        return {p.path: p.size for p in self.layout.packs}
+
+
+def gather(root: str | os.PathLike[str], *, fix_catalog: bool = False, scan: bool = True) -> Pool:
+    """Read the pool; raises :class:`NotAPool` for a directory that is not one."""
+    path = open_pool(root)
+    layout = list_pool(path)
+    queues = [load_queue(path, q) for q in layout.queues]
+    catalog, repaired = read_catalog(path, fix=fix_catalog)
+    pool = Pool(path, layout, catalog, queues, catalog_repaired=repaired)
+    dead = catalog.state.dead_writers
+    for pack in layout.packs:
+        if pack.writer not in pool.alive:
+            info = catalog.state.packs.get(pack.path)
+            if info is None or not info.sealed or pack.writer in dead:
+                pool.alive[pack.writer] = writer_alive(path, pack.writer, dead)
+        if scan and pack.path not in catalog.state.tombstones:
+            try:
+                pool.scans[pack.path] = scan_pack(os.path.join(path, pack.path), pack.path)
+            except OSError as error:
+                pool.unreadable[pack.path] = error.strerror or str(error)
+    for view in queues:
+        if view.state is not None and view.run_id is not None:
+            pool.roots[view.directory] = _resolve_roots(path, view)
+    return pool
+
+
+def _resolve_roots(root: str, view: QueueView) -> RootSet:
+    """Resolve a queue's roots to packs as ``Coordinator.collect_garbage`` does, reading only indexes."""
+    out = RootSet()
+    backend = FilesystemBackend(root, visibility_delays=())
+    session = ReadSession(backend, view.run_id or "")
+    try:
+        positions, finished = _acknowledgements(session, view, out)
+        refs, packs = root_refs(view, positions, finished)
+        out.refs = len(refs) + len(packs)
+        out.packs |= packs
+        seen: set[tuple[str, int, int]] = set()
+        todo: list[Any] = []
+        for item in refs:
+            try:
+                todo.append(RecordSetRef.from_dict(item))
+            except (KeyError, TypeError, ValueError) as error:
+                out.unreadable.append(("", f"a root reference is malformed ({error!r})"))
+        while todo:
+            ref = todo.pop()
+            try:
+                if isinstance(ref, RecordRef):
+                    session.locate(ref)
+                    out.packs.add(ref.segment.path)
+                    continue
+                key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal)
+                if key in seen:
+                    continue
+                seen.add(key)
+                resolved = session.resolve(ref)
+            except (QueueError, OSError) as error:
+                path = ref.segment.path if isinstance(ref, RecordRef) else ref.manifest.segment.path
+                out.packs.add(path)
+                out.unreadable.append((path, str(error)))
+                continue
+            out.packs.add(ref.manifest.segment.path)
+            out.packs.update(r.segment.path for r in resolved.records)
+            todo.extend(resolved.dependencies)
+    finally:
+        session.close()
+    return out
+
+
+def _acknowledgements(session: ReadSession, view: QueueView, out: RootSet) -> tuple[set[int], set[str]]:
+    """Positions and batches the training consumer's progress record acknowledges."""
+    ref = progress_ref(view)
+    if ref is None:
+        return set(), set()
+    try:
+        records = list(session.read(RecordSetRef.from_dict(ref)))
+        body = decode(records[0].payload) if len(records) == 1 else None
+    except (QueueError, OSError, KeyError, TypeError, ValueError) as error:
+        out.unreadable.append((str(ref.get("manifest", {}).get("segment", {}).get("path", "")), str(error)))
+        return set(), set()
+    if not isinstance(body, dict):
+        return set(), set()
+    positions = {int(p) for p in body.get("processed_positions", [])}
+    return positions, {str(b) for b in body.get("finished_batches", [])}

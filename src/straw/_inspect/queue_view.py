@@ -1,0 +1,219 @@
+"""A queue rebuilt read-only from its snapshot and journal, beside a live coordinator or not.
+
+The state is the pure machine's (``straw._queue.machine``): replaying durable
+frames gives exactly the state the coordinator had after the last of them
+(I10). Nothing here takes the queue's lock.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._journal import frame as journal_frame
+from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
+from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
+from ..protocol import decode, digest
+from .journal_scan import JournalScan, scan_journal
+
+_LIMIT_KEYS = ("max_result_bytes", "max_result_tokens", "metadata_bytes")
+
+
+@dataclass
+class QueueView:
+    """One queue directory: identity, journal scan, replayed state and problems."""
+
+    directory: str  # pool-relative
+    identity: dict[str, Any] | None = None
+    journal: JournalScan = field(default_factory=JournalScan)
+    state: QueueState | None = None
+    granted: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)  # -> (seq, deadline)
+    newest_deadline: float | None = None
+    problems: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.identity.get("run_id") if self.identity else None
+
+    @property
+    def queue_id(self) -> str | None:
+        return self.identity.get("queue_id") if self.identity else None
+
+    def owner(self) -> str | None:
+        """The queue's owner in the catalog (docs/GC.md "Queue roots"), as the coordinator names it."""
+        if self.run_id is None:
+            return None
+        return "queue:" + digest([self.run_id, self.directory])[:32]
+
+
+def _identity(root: str, view: QueueView) -> None:
+    relative = f"{view.directory}/{IDENTITY_FILE}"
+    try:
+        with open(os.path.join(root, relative), "rb") as handle:
+            found = decode(handle.read())
+    except FileNotFoundError:
+        view.problems.append(
+            (
+                "queue.no_identity",
+                "info",
+                relative,
+                f"{relative} is missing (a queue that never served a call)",
+            )
+        )
+        return
+    except Exception as error:
+        view.problems.append(("queue.identity", "error", relative, f"{relative} cannot be read ({error})"))
+        return
+    if (
+        not isinstance(found, dict)
+        or found.get("format") != QUEUE_FORMAT
+        or found.get("version") != QUEUE_VERSION
+        or not isinstance(found.get("run_id"), str)
+        or not isinstance(found.get("queue_id"), str)
+    ):
+        view.problems.append(
+            ("queue.identity", "error", relative, f"{relative} is not a straw queue identity")
+        )
+        return
+    view.identity = found
+
+
+def load_queue(root: str, directory: str) -> QueueView:
+    """Read one queue directory (``queue`` or ``queues/<digest>``) without taking its lock."""
+    view = QueueView(directory)
+    _identity(root, view)
+    if view.identity is None:
+        return view
+    tag = journal_frame.identity_tag(view.identity["run_id"], view.identity["queue_id"])
+    view.journal = scan_journal(root, directory, tag)
+    view.problems += view.journal.problems
+    _replay(view)
+    return view
+
+
+def _replay(view: QueueView) -> None:
+    identity = view.identity or {}
+    raw = identity.get("limits")
+    limits = {k: raw[k] for k in _LIMIT_KEYS if isinstance(raw, dict) and k in raw}
+    if len(limits) != len(_LIMIT_KEYS):
+        limits = {
+            "max_result_bytes": 4 * 1024**3,
+            "max_result_tokens": 100_000_000,
+            "metadata_bytes": 256 * 1024,
+        }
+    seq = view.journal.snapshot_seq
+    try:
+        state = new_state(identity["run_id"], identity["queue_id"], limits)
+        if view.journal.snapshot is not None:
+            state = state_from_dict(decode(view.journal.snapshot), limits)
+        for seq, body in view.journal.frames:
+            event = decode(body)
+            state.apply(event)
+            if isinstance(event, dict) and event.get("op") == "acquire":
+                for task_id, attempt_id, _ in event["grants"]:
+                    view.granted[(task_id, attempt_id)] = (seq, float(event["deadline"]))
+                view.newest_deadline = float(event["deadline"])
+    except Exception as error:
+        view.problems.append(
+            (
+                "queue.replay",
+                "error",
+                view.directory,
+                f"journal frame {seq} of {view.directory} cannot be replayed ({error!r})",
+            )
+        )
+        return
+    view.state = state
+
+
+def describe(view: QueueView) -> dict[str, Any]:
+    """What ``straw inspect`` shows of one queue (JSON-ready)."""
+    out: dict[str, Any] = {
+        "directory": view.directory,
+        "queue_id": view.queue_id,
+        "run_id": view.run_id,
+        "owner": view.owner(),
+        "journal": {
+            "bytes": view.journal.bytes,
+            "segments": view.journal.segments,
+            "last_seq": view.journal.last_seq,
+            "last_snapshot_seq": view.journal.snapshot_seq or None,
+            "tail": view.journal.tail.kind if view.journal.tail else "clean",
+        },
+    }
+    state = view.state
+    if state is None:
+        out["state"] = None
+        return out
+    out.update(
+        epoch=state.epoch,
+        sealed=state.sealed,
+        draining=state.draining,
+        tasks={k: v for k, v in state.counts.items() if v},
+        leases=_leases(view, state),
+        commits=len(state.commits),
+        outstanding_reads=len(state.reads),
+        consumers=_consumers(state),
+        checkpoints=sorted(state.checkpoints),
+        last_checkpoint=next(reversed(state.checkpoints), None),
+    )
+    return out
+
+
+def _leases(view: QueueView, state: QueueState) -> list[dict[str, Any]]:
+    """Leases with holder and age: seconds between the grant and the newest grant recorded in the
+    journal (both on the coordinator's clock, A9), and journal frames since the grant."""
+    out = []
+    for task in state.tasks.values():
+        if task.state != LEASED or task.lease is None:
+            continue
+        lease = task.lease
+        seq, _ = view.granted.get((lease.task_id, lease.attempt_id), (None, task.deadline))
+        age = view.newest_deadline - task.deadline if view.newest_deadline is not None else None
+        out.append(
+            {
+                "task_id": lease.task_id,
+                "attempt_id": lease.attempt_id,
+                "worker_id": lease.worker_id,
+                "epoch": lease.coordinator_epoch,
+                "deadline": task.deadline,
+                "age_seconds": round(age, 3) if age is not None and seq is not None else None,
+                "frames_since_grant": view.journal.last_seq - seq if seq is not None else None,
+            }
+        )
+    return out
+
+
+def _consumers(state: QueueState) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, consumer in state.consumers.items():
+        cursors = {}
+        if consumer.state is not None:
+            cursors = {k: v for k, v in consumer.state.items() if k.endswith("cursor")}
+        out[name] = {"owner": consumer.owner, "open": consumer.open, "cursors": cursors}
+    return out
+
+
+def progress_ref(view: QueueView) -> dict[str, Any] | None:
+    """The ``training`` consumer's progress record reference, if it saved one."""
+    state = view.state
+    consumer = state.consumers.get(TRAINING) if state is not None else None
+    if consumer is None or consumer.state is None:
+        return None
+    ref = consumer.state.get("progress_ref")
+    return ref if isinstance(ref, dict) else None
+
+
+def root_refs(
+    view: QueueView, positions: set[int], finished: set[str]
+) -> tuple[list[dict[str, Any]], set[str]]:
+    """The queue's GC roots as the coordinator computes them (``QueueState.roots``): references
+    to resolve and packs already known. ``positions`` and ``finished`` come from the training
+    consumer's progress record (``Coordinator._acknowledgements``)."""
+    state = view.state
+    if state is None:
+        return [], set()
+    consumer = state.consumers.get(TRAINING)
+    cursor = int(consumer.state["processed_cursor"]) if consumer and consumer.state else 0
+    return state.roots(lambda p: p < cursor or p in positions, finished)

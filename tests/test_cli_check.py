@@ -1,0 +1,266 @@
+"""``straw check``: real pools built with the store and coordinator, then damaged (docs/CHECK.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pool_damage import RUN, build_pool, close_pool, flip, packs, segments, tree_digest
+from queue_helpers import crash
+from straw._fs import lock
+from straw._inspect.check import check_pool
+from straw._journal import frame as journal_frame
+from straw.backend import FilesystemBackend
+from straw.cli import main
+from straw.coordinator import Coordinator
+from straw.protocol import Record
+from straw.store import SharedFilesystemStore
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def codes(report: object) -> dict[str, str]:
+    return {f.code: f.severity for f in report.findings}  # type: ignore[attr-defined]
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["check", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_clean_live_pool_is_ok_and_check_changes_no_byte(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built = build_pool(tmp_path)  # a live writer (open pack, zeros ahead) and a live coordinator
+    before = tree_digest(tmp_path)
+    code, out, err = run(capsys, str(tmp_path))
+    assert (code, err) == (0, "")
+    assert "ok: no problems" in out
+    report = check_pool(tmp_path)
+    assert report.ok and {"pack.open", "pack.zero_tail", "journal.zero_tail"} <= set(codes(report))
+    assert all(f.severity == "info" for f in report.findings)
+    assert tree_digest(tmp_path) == before
+    close_pool(built)
+    code, out, _ = run(capsys, str(tmp_path), "--json")
+    document = json.loads(out)
+    assert code == 0 and document["ok"] is True and document["findings"] == []
+    assert document["run_ids"] == [RUN]
+
+
+def test_flipped_record_byte_is_pack_checksum_and_fix_leaves_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    close_pool(build_pool(tmp_path))
+    pack = packs(tmp_path)[0]
+    flip(pack, 150)  # inside the first record frame's body
+    before = tree_digest(tmp_path)
+    code, out, _ = run(capsys, str(tmp_path))
+    assert code == 1 and "pack.checksum" in out and "1 problem(s) remain" in out
+    assert tree_digest(tmp_path) == before
+    code, _, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 1 and tree_digest(tmp_path) == before
+    report = check_pool(tmp_path)
+    assert codes(report) == {"pack.checksum": "error"}
+    assert "offset 64" in report.findings[0].message
+
+
+def test_truncated_pack_reports_its_torn_tail(tmp_path: Path) -> None:
+    built = build_pool(tmp_path)
+    built.store.close()
+    pack = packs(tmp_path)[0]
+    size = pack.stat().st_size
+    with open(pack, "r+b") as handle:
+        handle.truncate(size - 30)  # the seal frame loses its end: an unfinished append
+    report = check_pool(tmp_path)
+    assert codes(report)["pack.torn_tail"] == "info"
+    assert report.ok  # nothing after the last complete extent can be referenced
+    crash(built.coordinator)
+
+
+def test_tombstoned_pack_left_on_disk_is_unlinked_by_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fault(phase: str) -> None:
+        if phase == "before_unlink":
+            raise OSError("simulated crash between tombstone and unlink")
+
+    store = SharedFilesystemStore(tmp_path, RUN, backend=FilesystemBackend(tmp_path, fault=fault))
+    ref = store.publish([Record("r", b"x" * 64)], submission_id="s1")
+    store.release_publications([ref])
+    store.close()
+    with pytest.raises(Exception, match="simulated crash"):
+        store.collect_garbage()
+    (pack,) = packs(tmp_path)
+    before = tree_digest(tmp_path)
+    code, out, _ = run(capsys, str(tmp_path))
+    assert code == 1 and "pack.tombstoned_present" in out and "straw check --fix" in out
+    assert tree_digest(tmp_path) == before
+    code, out, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 0 and "(repaired)" in out and not pack.exists()
+    assert check_pool(tmp_path).findings == []
+
+
+def _partial_frame(segment: Path, seq: int) -> int:
+    """Write an unacknowledged frame whose body never fully reached the disk at the journal's end."""
+    scan_end = segment.stat().st_size
+    data = segment.read_bytes()
+    end = len(data.rstrip(b"\0"))  # after a crash the zeros written ahead follow the last frame
+    body = b'{"op":"seal","request_id":"never-acknowledged"}'
+    header, _ = journal_frame.encode_frame(seq, bytes(16), body)
+    with open(segment, "r+b") as handle:
+        handle.seek(end)
+        handle.write(header + body[:10])
+        handle.truncate(end + len(header) + 10)
+    assert scan_end >= end
+    return end
+
+
+def test_torn_journal_tail_is_cut_by_fix_and_recovery_keeps_every_completion(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built = build_pool(tmp_path, done=3)
+    commits = built.coordinator.commits
+    last = built.coordinator._journal.last_seq
+    crash(built.coordinator)
+    segment = segments(tmp_path)[-1]
+    end = _partial_frame(segment, last + 1)
+    report = check_pool(tmp_path)
+    assert codes(report)["journal.torn_tail"] == "repairable" and not report.ok
+    code, out, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 0 and "journal.torn_tail" in out
+    assert segment.stat().st_size == end
+    reopened = Coordinator(built.store, exclusive_owner="check-test", recover=True)
+    assert reopened.commits == commits and len(commits) == 3
+    reopened.close()
+    built.store.close()
+    assert check_pool(tmp_path).ok
+
+
+def test_fix_never_touches_the_journal_of_a_live_coordinator(tmp_path: Path) -> None:
+    built = build_pool(tmp_path)
+    last = built.coordinator._journal.last_seq
+    crash(built.coordinator)
+    _partial_frame(segments(tmp_path)[-1], last + 1)
+    fd = lock.try_lock_exclusive(str(tmp_path / "queue" / "LOCK"))  # stands for a live coordinator
+    assert fd is not None
+    before = tree_digest(tmp_path)
+    report = check_pool(tmp_path, fix=True)
+    lock.unlock(fd)
+    assert "journal.torn_tail" in codes(report) and report.repaired == [] and not report.ok
+    assert tree_digest(tmp_path) == before
+    built.store.close()
+
+
+def test_flipped_byte_inside_a_journal_frame_is_an_error_fix_does_not_touch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built = build_pool(tmp_path)
+    crash(built.coordinator)
+    built.store.close()
+    segment = segments(tmp_path)[-1]
+    flip(segment, 64 + 64 + 5)  # the body of the first frame
+    before = tree_digest(tmp_path)
+    code, out, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 1 and "journal.corrupt_frame" in out and "does not touch" in out
+    assert tree_digest(tmp_path) == before
+
+
+def test_torn_catalog_tail_is_cut_by_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    close_pool(build_pool(tmp_path))
+    log = tmp_path / "catalog" / "log"
+    size = log.stat().st_size
+    with open(log, "ab") as handle:
+        handle.write(b"SJFR" + bytes(20))  # a crashed appender's partial header
+    report = check_pool(tmp_path)
+    assert codes(report) == {"catalog.torn_tail": "repairable"}
+    code, _, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 0 and log.stat().st_size == size
+    assert check_pool(tmp_path).findings == []
+
+
+def test_deleted_owned_pack_is_owner_missing_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    close_pool(build_pool(tmp_path))
+    (pack,) = packs(tmp_path)
+    pack.unlink()
+    code, out, _ = run(capsys, str(tmp_path), "--json")
+    found = {f["code"] for f in json.loads(out)["findings"]}
+    assert code == 1 and {"owner.missing_pack", "root.unreadable", "root.missing_pack"} <= found
+
+
+def test_half_deleted_pack_is_reported_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    close_pool(build_pool(tmp_path))
+    (pack,) = packs(tmp_path)
+    with open(pack, "r+b") as handle:
+        handle.truncate(0)
+    code, out, err = run(capsys, str(tmp_path))
+    assert code == 1 and "pack.header" in out and "is empty; its data cannot be read" in out
+    assert "Traceback" not in out + err
+
+
+def test_not_a_pool_exits_2_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "some-file").write_text("x")
+    code, out, err = run(capsys, str(tmp_path))
+    assert (code, out) == (2, "") and "is not a straw pool (no straw-pool.json)" in err
+    code, _, err = run(capsys, str(tmp_path / "missing"))
+    assert code == 2 and "is not a directory" in err
+    (tmp_path / "straw-pool.json").write_text('{"format": "other"}')
+    code, _, err = run(capsys, str(tmp_path))
+    assert code == 2 and "is not a straw pool marker" in err and "Traceback" not in err
+
+
+def test_foreign_run_id_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    close_pool(build_pool(tmp_path))
+    code, _, _ = run(capsys, str(tmp_path), "--run-id", RUN)
+    assert code == 0
+    code, out, err = run(capsys, str(tmp_path), "--run-id", "another-run")
+    assert code == 2 and "pool.foreign_run" in out and "another run than 'another-run'" in err
+    assert "belongs to run 'run-check', not 'another-run'" in out
+
+
+def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "2  cannot check" in out and "--fix" in out
+
+
+def test_console_script_runs(tmp_path: Path) -> None:
+    close_pool(build_pool(tmp_path))
+    script = Path(sys.executable).parent / "straw"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "straw"]
+    done = subprocess.run([*command, "check", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "ok: no problems" in done.stdout
+    missing = subprocess.run(
+        [*command, "check", os.fspath(tmp_path / "nope")], capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+def test_final_frame_with_zero_body_is_a_torn_write_fix_cuts(tmp_path: Path) -> None:
+    built = build_pool(tmp_path, done=2)
+    commits = built.coordinator.commits
+    last = built.coordinator._journal.last_seq
+    crash(built.coordinator)
+    segment = segments(tmp_path)[-1]
+    end = len(segment.read_bytes().rstrip(b"\0"))
+    body = b'{"op":"seal","request_id":"lost"}'
+    header, _ = journal_frame.encode_frame(last + 1, bytes(16), body)
+    with open(segment, "r+b") as handle:  # the header reached the disk, the body did not
+        handle.seek(end)
+        handle.write(header + bytes(len(body) + 4096))  # its body lies in zeros written ahead (J1.1)
+    report = check_pool(tmp_path)
+    (finding,) = [f for f in report.findings if f.code == "journal.torn_tail"]
+    assert "a torn write" in finding.message and finding.severity == "repairable"
+    fixed = check_pool(tmp_path, fix=True)
+    assert fixed.ok and segment.stat().st_size == end
+    reopened = Coordinator(built.store, exclusive_owner="check-test", recover=True)
+    assert reopened.commits == commits
+    reopened.close()
+    built.store.close()

@@ -1,0 +1,189 @@
+"""The fault-injecting filesystem of the simulation (straw.testing.faultfs) against its model.
+
+What a power loss may and may not do follows docs/DURABILITY.md (A1, A2, A8): synced bytes
+and synced directory entries always survive; anything later may vanish, be torn to a
+prefix, or (inside the range an unsynced write covered) be garbled.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+import pytest
+
+from straw._fs import durable, posix, system
+from straw.testing import FaultFS, SimulatedPowerLoss, SimulationDeadlock
+
+SEEDS = range(60)
+W = os.O_WRONLY | os.O_CREAT
+RW = os.O_RDWR | os.O_CREAT
+
+
+def fresh(seed: int, **options: float) -> FaultFS:
+    fs = FaultFS(seed, **options)
+    fs.makedirs_durable("/d")
+    return fs
+
+
+def durable_file(fs: FaultFS, path: str, data: bytes) -> int:
+    """Create ``path`` with ``data``, sync it and its directory; return the open descriptor."""
+    fd = fs.open(path, W, 0o644)
+    write_all(fs, fd, data, 0)
+    fs.fdatasync(fd)
+    dfd = fs.open(os.path.dirname(path), os.O_RDONLY)
+    fs.fsync(dfd)
+    fs.close(dfd)
+    return fd
+
+
+def write_all(fs: FaultFS, fd: int, data: bytes, offset: int) -> None:
+    while data:
+        n = fs.pwritev(fd, [data], offset)
+        data, offset = data[n:], offset + n
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_synced_data_survives_every_crash(seed: int) -> None:
+    fs = fresh(seed, garble_probability=1.0)
+    fd = durable_file(fs, "/d/f", b"durable" * 100)
+    write_all(fs, fd, b"x" * 2000, 700)  # unsynced, after the synced bytes
+    fs.crash()
+    data = fs.read_bytes("/d/f")
+    assert data[:700] == b"durable" * 100
+    assert len(data) <= 2700
+
+
+def test_unsynced_data_may_vanish_or_survive() -> None:
+    outcomes = set()
+    for seed in SEEDS:
+        fs = fresh(seed, garble_probability=0.0, short_write_probability=0.0)
+        fd = durable_file(fs, "/d/f", b"")
+        fs.pwritev(fd, [b"late"], 0)
+        fs.crash()
+        outcomes.add(fs.read_bytes("/d/f"))
+    assert b"" in outcomes and b"late" in outcomes
+    assert outcomes <= {b"", b"l", b"la", b"lat", b"late"}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_torn_write_leaves_a_prefix(seed: int) -> None:
+    fs = fresh(seed, garble_probability=0.0, tear_probability=1.0, short_write_probability=0.0)
+    fd = durable_file(fs, "/d/f", b"")
+    payload = bytes(range(256)) * 8
+    fs.pwritev(fd, [payload], 0)
+    fs.crash()
+    data = fs.read_bytes("/d/f")
+    assert payload.startswith(data)
+
+
+def test_garbling_stays_inside_the_unsynced_range() -> None:
+    garbled = 0
+    for seed in SEEDS:
+        fs = fresh(seed, garble_probability=1.0, short_write_probability=0.0)
+        fd = durable_file(fs, "/d/f", b"A" * 1500)
+        fs.pwritev(fd, [b"B" * 600], 1500)
+        fs.crash()
+        data = fs.read_bytes("/d/f")
+        assert data[:1500] == b"A" * 1500
+        tail = data[1500:]
+        garbled += tail != b"B" * len(tail)
+        assert len(tail) <= 600
+    assert garbled > 0
+
+
+def test_directory_entries_need_a_directory_sync() -> None:
+    survived = []
+    for seed in SEEDS:
+        fs = fresh(seed)
+        fd = fs.open("/d/new", W, 0o644)
+        write_all(fs, fd, b"data", 0)
+        fs.fdatasync(fd)  # the bytes are durable, the name is not
+        fs.crash()
+        survived.append(fs.exists("/d/new"))
+    assert any(survived) and not all(survived)
+    for seed in SEEDS:
+        fs = fresh(seed)
+        durable_file(fs, "/d/new", b"data")
+        fs.crash()
+        assert fs.read_bytes("/d/new") == b"data"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rename_is_atomic_across_a_crash(seed: int) -> None:
+    fs = fresh(seed)
+    durable_file(fs, "/d/target", b"old")
+    durable_file(fs, "/d/.temp", b"new")
+    fs.rename("/d/.temp", "/d/target")
+    fs.crash()
+    assert fs.read_bytes("/d/target") in (b"old", b"new")
+    assert fs.exists("/d/.temp") == (fs.read_bytes("/d/target") == b"old")
+
+
+def test_crash_makes_descriptors_stale_and_drops_locks() -> None:
+    fs = fresh(0)
+    fd = durable_file(fs, "/d/LOCK", b"")
+    fs.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    other = fs.open("/d/LOCK", os.O_RDWR)
+    with pytest.raises(BlockingIOError):
+        fs.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(SimulationDeadlock):
+        fs.flock(other, fcntl.LOCK_EX)
+    fs.crash()
+    with pytest.raises(OSError) as stale:
+        fs.pread(fd, 1, 0)
+    assert stale.value.errno == errno.EBADF
+    fs.close(fd)  # closing a descriptor of the old generation does nothing
+    again = fs.open("/d/LOCK", os.O_RDWR)
+    fs.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the crash released the old holder
+    fs.close(again)
+    with pytest.raises(OSError) as double:
+        fs.close(again)
+    assert double.value.errno == errno.EBADF
+    assert fd >= 1 << 20  # a stray real os call on a fake descriptor fails
+
+
+def test_fail_after_loses_power_inside_an_operation() -> None:
+    fs = fresh(0)
+    fs.fail_after(2)
+    fd = fs.open("/d/f", W, 0o644)  # mutating call 1
+    with pytest.raises(SimulatedPowerLoss):
+        fs.pwritev(fd, [b"x"], 0)  # call 2: power is lost before it takes effect
+    with pytest.raises(SimulatedPowerLoss):
+        fs.exists("/d/f")  # the machine is off until it reboots
+    fs.crash()
+    assert not fs.powered_off
+    assert fs.exists("/d") and (not fs.exists("/d/f") or fs.read_bytes("/d/f") == b"")
+
+
+def _history(seed: int) -> list[object]:
+    fs = fresh(seed)
+    fd = durable_file(fs, "/d/f", b"base")
+    for i in range(20):
+        write_all(fs, fd, bytes([i]) * 700, 4 + i * 300)
+        if i % 7 == 0:
+            fs.fdatasync(fd)
+    fs.mkdir("/d/sub", 0o755)
+    fs.crash()
+    return [fs.read_bytes("/d/f"), fs.exists("/d/sub"), fs.last_crash]
+
+
+def test_same_seed_same_crash() -> None:
+    assert _history(7) == _history(7)
+    assert len({repr(_history(s)) for s in range(8)}) > 1
+
+
+def test_straw_primitives_run_on_the_installed_system() -> None:
+    fs = fresh(3, short_write_probability=0.5)
+    before = system.current
+    with system.installed(fs):
+        assert system.current is fs
+        durable.make_dirs("/d/pool/sub", "/d", posix.sync_dir)
+        durable.replace_file("/d/pool/sub/file", [b"hello ", b"world" * 300], posix.sync_file, posix.sync_dir)
+        assert posix.read_file("/d/pool/sub/file") == b"hello " + b"world" * 300
+        assert posix.listdir("/d/pool/sub") == ["file"]
+        assert posix.getsize("/d/pool/sub/file") == 1506
+    assert system.current is before
+    fs.crash()
+    assert fs.read_bytes("/d/pool/sub/file") == b"hello " + b"world" * 300  # D0 made it durable
