@@ -115,8 +115,8 @@ class ReadSession:
     Not an ownership pin: it keeps nothing alive (API.md section 5).
     """
 
-    def __init__(self, backend: FilesystemBackend, run_id: str) -> None:
-        self._reader = PackReader(backend, run_id)
+    def __init__(self, backend: FilesystemBackend, run_id: str, *, shared: bool = False) -> None:
+        self._reader = PackReader(backend, run_id, shared=shared)
 
     def close(self) -> None:
         self._reader.close()
@@ -752,8 +752,12 @@ class SharedFilesystemStore:
             )
 
     def validate_reach(self, ref: RecordSetRef, *, task_id: str, attempt_id: str) -> set[str]:
-        """``validate`` with ownership plus ``reach`` in one resolution (the queue's complete path)."""
-        session = self._session()
+        """``validate`` with ownership plus ``reach`` in one resolution (the queue's complete path).
+
+        It returns no bytes, so it may use index frames that a store of this process wrote
+        and made durable without reading them back (``_SharedIndexes``).
+        """
+        session = self._session(shared=True)
         resolved = session.resolve(ref)
         session.check_ownership(resolved, task_id, attempt_id)
         packs = {ref.manifest.segment.path}
@@ -913,11 +917,13 @@ class SharedFilesystemStore:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _session(self) -> ReadSession:
-        session: ReadSession | None = getattr(self._local, "session", None)
+    def _session(self, *, shared: bool = False) -> ReadSession:
+        """This thread's session; ``shared`` also trusts index frames this process wrote (reader.py)."""
+        name = "validator" if shared else "session"
+        session: ReadSession | None = getattr(self._local, name, None)
         if session is None:
-            session = ReadSession(self.backend, self.run_id)
-            self._local.session = session
+            session = ReadSession(self.backend, self.run_id, shared=shared)
+            setattr(self._local, name, session)
             self._sessions.append(session)
         return session
 

@@ -8,9 +8,11 @@ on a freshly opened descriptor before it is reported (docs/DURABILITY.md A6).
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -19,12 +21,61 @@ import xxhash
 from .._fs import posix
 from ..backend import FilesystemBackend
 from ..errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
-from ..limits import INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MAX
+from ..limits import CHUNK_BYTES, INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MAX
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
 from . import frame
 
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
 INDEX_CACHE_MAX = 4096
+#: Index frames shared by every reader of the process (see :class:`_SharedIndexes`).
+SHARED_INDEX_CACHE_MAX = 4096
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class _SharedIndexes:
+    """Parsed index frames that any store of this process wrote or verified, by SegmentRef.
+
+    A SegmentRef names an immutable extent by path, offset, size and checksum (I1), so an
+    index verified once, or built by the writer that just made it durable, describes those
+    bytes for every store of the process. A coordinator validating a result that a worker
+    thread of the same process published then skips re-reading and re-parsing it. Only
+    readers made with ``shared=True`` consult it (validation, which returns no bytes).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[SegmentRef, frame.Index] = OrderedDict()
+
+    def get(self, segment: SegmentRef) -> frame.Index | None:
+        with self._lock:
+            return self._items.get(segment)
+
+    def put(self, segment: SegmentRef, index: frame.Index) -> None:
+        with self._lock:
+            self._items[segment] = index
+            while len(self._items) > SHARED_INDEX_CACHE_MAX:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+SHARED_INDEXES = _SharedIndexes()
+
+
+def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[frame.IndexEntry]) -> None:
+    """Share the index of an extent this process just made durable (the writer calls it).
+
+    Only when every metadata value is a scalar, copied: the caller's dicts stay theirs to
+    change, and a cached index must keep describing the bytes on disk.
+    """
+    copied = []
+    for entry in entries:
+        if entry.inline is None and not all(type(v) in _SCALARS for v in entry.metadata.values()):
+            return
+        copied.append(dataclasses.replace(entry, metadata=dict(entry.metadata)))
+    SHARED_INDEXES.put(segment, frame.Index(submission_id, CHUNK_BYTES, tuple(copied)))
 
 
 @dataclass
@@ -48,8 +99,13 @@ def _checked(data: Data, size: int, offset: int, relative: str, check: Callable[
 class PackReader:
     """Reads index frames and payloads of one run's packs, verifying checksums."""
 
-    def __init__(self, backend: FilesystemBackend, run_id: str, max_open: int = OPEN_PACKS_MAX) -> None:
+    def __init__(
+        self, backend: FilesystemBackend, run_id: str, max_open: int = OPEN_PACKS_MAX, *, shared: bool = False
+    ) -> None:
         self.backend = backend
+        # Also answer from SHARED_INDEXES: only for callers that return no bytes (validation),
+        # since reads promise every index and payload byte was checked on disk.
+        self.shared = shared
         self.run_id = run_id
         self.run_tag = frame.run_tag(run_id)
         self.max_open = max_open
@@ -166,16 +222,24 @@ class PackReader:
         if cached is not None:
             self._indexes.move_to_end(key)
             return cached
+        shared = SHARED_INDEXES.get(segment) if self.shared else None
+        if shared is not None:
+            self._cache(key, shared)
+            return shared
 
         def check(data: bytes | bytearray) -> frame.Index:
             body = frame.decode_json_frame(data, frame.KIND_INDEX, segment.checksum)
             return frame.parse_index(body, len(data))
 
         parsed = self._verified(segment.path, segment.segment_id, segment.size, segment.offset, check)
-        self._indexes[key] = parsed
+        self._cache(key, parsed)
+        SHARED_INDEXES.put(segment, parsed)
+        return parsed
+
+    def _cache(self, key: tuple[str, int, str], index: frame.Index) -> None:
+        self._indexes[key] = index
         while len(self._indexes) > INDEX_CACHE_MAX:
             self._indexes.popitem(last=False)
-        return parsed
 
     # -- payloads --------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
 from ..limits import PACK_PREALLOC_BYTES
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
-from . import frame
+from . import frame, reader
 
 PACK_SUFFIX = ".pack"
 STANDALONE_SUFFIX = ".seg"
@@ -91,6 +91,8 @@ class PackWriter:
         self._directory_durable = False
         self._live_fd = -1
         self.on_seal: SealHook | None = None
+        # The last layout's submission id and index entries, shared once durable (reader.py).
+        self._placed: tuple[str, list[frame.IndexEntry]] = ("", [])
         self.packs_created = 0
         self.bytes_written = 0
 
@@ -170,7 +172,10 @@ class PackWriter:
     def _layout(
         self, entries: Sequence[Entry], submission_id: str, start: int
     ) -> tuple[list[posix.Buffer], int, int, str]:
-        """Frames of one extent at ``start``: buffers, index offset, index size, index checksum."""
+        """Frames of one extent at ``start``: buffers, index offset, index size, index checksum.
+
+        The index entries wait in ``_placed`` until the extent is durable (then shared).
+        """
         buffers: list[posix.Buffer] = []
         placed: list[frame.IndexEntry] = []
         position = start
@@ -197,6 +202,7 @@ class PackWriter:
         head, body, sum_hex = frame.encode_json_frame(
             frame.KIND_INDEX, frame.index_body(submission_id, placed)
         )
+        self._placed = (submission_id, placed)
         buffers += [head, body]
         return buffers, position, len(head) + len(body), sum_hex
 
@@ -243,6 +249,7 @@ class PackWriter:
         pack.manifests[index_offset] = list(manifests)
         self.bytes_written += written
         invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
+        reader.remember_written(segment, *self._placed)
         try:
             self.backend.fault("after_data_sync")
         except BaseException as error:
@@ -293,6 +300,7 @@ class PackWriter:
             raise
         # The pack is visible from here on: failures are uncertain, not failed (D2.5).
         self.packs_created += 1
+        reader.remember_written(segment, *self._placed)
         self.bytes_written += written
         extents = {index_offset: list(manifests)}
         if standalone:

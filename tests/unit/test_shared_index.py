@@ -1,0 +1,87 @@
+"""The process-wide index cache (``straw._pack.reader.SHARED_INDEXES``).
+
+A store that makes an extent durable shares its index with the other stores of the
+process, but only validation (``validate_reach``, the queue's completion check, which
+returns no bytes) answers from it; reads keep verifying every index and payload byte on
+disk. These tests pin both halves and the copy that keeps a caller's later changes to
+its metadata out of the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from straw import Record, RecordSetRef, SharedFilesystemStore
+from straw._pack import reader
+from straw.errors import CorruptData, InvalidReference
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache() -> Iterator[None]:
+    reader.SHARED_INDEXES.clear()
+    yield
+    reader.SHARED_INDEXES.clear()
+
+
+def _stores(root: Path) -> tuple[SharedFilesystemStore, SharedFilesystemStore]:
+    return SharedFilesystemStore(root, "run"), SharedFilesystemStore(root, "run")
+
+
+def _damage_index(root: Path, ref: RecordSetRef) -> None:
+    """Flip a byte inside the extent's index frame on disk."""
+    segment = ref.manifest.segment
+    path = root / segment.path
+    data = bytearray(path.read_bytes())
+    data[segment.offset + segment.size - 3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_validation_in_another_store_uses_the_written_index_reads_still_verify(tmp_path: Path) -> None:
+    writer, coordinator_store = _stores(tmp_path)
+    record = Record("r", b"payload", metadata={"task_id": "t1", "attempt_id": "a1"})
+    ref = writer.publish([record], submission_id="s")
+    _damage_index(tmp_path, ref)
+    # Validation answers from the index the writer made durable, without reading it back.
+    packs = coordinator_store.validate_reach(ref, task_id="t1", attempt_id="a1")
+    assert packs == {ref.manifest.segment.path}
+    # Reads promise checked bytes: they go to disk and find the damage.
+    with pytest.raises(CorruptData):
+        coordinator_store.read(ref)
+    writer.close()
+    coordinator_store.close()
+
+
+def test_ownership_is_checked_against_the_metadata_as_published(tmp_path: Path) -> None:
+    writer, coordinator_store = _stores(tmp_path)
+    metadata = {"task_id": "t1", "attempt_id": "a1"}
+    ref = writer.publish([Record("r", b"x", metadata=metadata)], submission_id="s")
+    metadata["task_id"] = "changed after publish"  # the caller's dict stays theirs
+    assert coordinator_store.validate_reach(ref, task_id="t1", attempt_id="a1")
+    with pytest.raises(InvalidReference, match="task"):
+        coordinator_store.validate_reach(ref, task_id="changed after publish", attempt_id="a1")
+    writer.close()
+    coordinator_store.close()
+
+
+def test_nested_metadata_is_not_shared_and_validation_reads_the_disk(tmp_path: Path) -> None:
+    writer, coordinator_store = _stores(tmp_path)
+    metadata = {"task_id": "t1", "attempt_id": "a1", "tags": ["x"]}
+    ref = writer.publish([Record("r", b"x", metadata=metadata)], submission_id="s")
+    assert reader.SHARED_INDEXES.get(ref.manifest.segment) is None
+    _damage_index(tmp_path, ref)
+    with pytest.raises(CorruptData):
+        coordinator_store.validate_reach(ref, task_id="t1", attempt_id="a1")
+    writer.close()
+    coordinator_store.close()
+
+
+def test_the_shared_cache_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader, "SHARED_INDEX_CACHE_MAX", 5)
+    writer = SharedFilesystemStore(tmp_path, "run")
+    refs = [writer.publish([Record("r", b"x")], submission_id=f"s{i}") for i in range(12)]
+    kept = [ref for ref in refs if reader.SHARED_INDEXES.get(ref.manifest.segment) is not None]
+    assert kept == refs[-5:]  # the oldest go first
+    writer.close()
