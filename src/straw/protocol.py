@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,12 +54,39 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-encodable; pass dicts, lists, str, numbers")
 
 
+def _canonical_encoder() -> Callable[[Any], str]:
+    """One reusable canonical encoder (``json.dumps`` with arguments builds a new one per call).
+
+    It keeps no circular-reference table: a table shared between calls would keep stale
+    entries after an error. A circular value then exhausts the recursion limit instead,
+    which :func:`encode` reports as a ``ValueError`` like ``json`` would.
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has the C accelerator
+        python = json.JSONEncoder(
+            sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_plain
+        )
+        return python.encode
+    # markers, default, string encoder, indent, key sep, item sep, sort_keys, skipkeys, allow_nan
+    c_encoder = make(None, _plain, json.encoder.encode_basestring, None, ":", ",", True, False, False)
+
+    def run(value: Any) -> str:
+        if isinstance(value, str):
+            return str(json.encoder.encode_basestring(value))
+        return "".join(c_encoder(value, 0))
+
+    return run
+
+
+_ENCODE = _canonical_encoder()
+
+
 def encode(value: Any) -> bytes:
     """Canonical JSON: sorted keys, compact separators, UTF-8, no NaN/Infinity."""
     try:
-        text = json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_plain
-        )
+        text = _ENCODE(value)
+    except RecursionError:
+        raise ValueError("cannot encode canonically: the value contains itself (circular)") from None
     except ValueError as error:
         raise ValueError(f"cannot encode canonically: {error} (NaN and Infinity are rejected)") from None
     return text.encode("utf-8")

@@ -13,6 +13,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from straw.errors import CorruptData, InvalidReference
 from straw.protocol import (
@@ -95,6 +97,32 @@ def test_encode_equals_stdlib_canonical_form() -> None:
     expected = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert encode(value) == expected.encode("utf-8")
     assert b" " not in encode(value)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_encode_is_the_stdlib_canonical_form_for_any_json_value(value: object) -> None:
+    # encode reuses one C encoder across calls; it must agree with a fresh json.dumps.
+    expected = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    assert encode(value) == expected.encode("utf-8")
+
+
+def test_encode_reports_a_circular_value_and_keeps_working() -> None:
+    loop: list[object] = [1]
+    loop.append({"again": loop})
+    with pytest.raises(ValueError, match="circular"):
+        encode({"x": loop})
+    with pytest.raises(TypeError, match="set is not JSON-encodable"):
+        encode([{"a": 1}, {2}])
+    # Failed calls leave nothing behind in the shared encoder.
+    assert encode({"x": [1, {"again": 2}]}) == b'{"x":[1,{"again":2}]}'
 
 
 def test_encode_writes_utf8_not_ascii_escapes() -> None:

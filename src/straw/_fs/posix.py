@@ -60,7 +60,28 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     Groups at most IOVEC_COUNT_MAX buffers and SYSCALL_BYTES_MAX bytes per
     system call and resumes after short writes. Returns the bytes written.
     """
-    pending = deque(_flat(b) for b in buffers)
+    # The common case, a few buffers in one system call, without the general loop's bookkeeping.
+    views: list[Buffer] = []
+    size = 0
+    for buffer in buffers:
+        if type(buffer) is bytes:
+            views.append(buffer)
+            size += len(buffer)
+        else:
+            view = _flat(buffer)
+            views.append(view)
+            size += view.nbytes
+    if len(views) <= IOVEC_COUNT_MAX and size <= SYSCALL_BYTES_MAX:
+        written = _system.current.pwritev(fd, views, offset) if size else 0
+        if written == size:
+            return size
+        # A short write: rewrite from the start (same bytes, same offsets) with the general loop.
+    return _pwrite_loop(fd, [memoryview(v) for v in views], offset)
+
+
+def _pwrite_loop(fd: int, views: list[memoryview], offset: int) -> int:
+    """The general case: any number and size of buffers, resuming after short writes."""
+    pending = deque(views)
     position = offset
     while pending:
         group: list[memoryview] = []

@@ -8,7 +8,6 @@ on a freshly opened descriptor before it is reported (docs/DURABILITY.md A6).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 from collections import OrderedDict
@@ -71,10 +70,17 @@ def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[
     change, and a cached index must keep describing the bytes on disk.
     """
     copied = []
-    for entry in entries:
-        if entry.inline is None and not all(type(v) in _SCALARS for v in entry.metadata.values()):
+    for e in entries:
+        if e.inline is not None:
+            copied.append(e)  # the store's own manifest body, never handed to a caller
+            continue
+        if not all(type(v) in _SCALARS for v in e.metadata.values()):
             return
-        copied.append(dataclasses.replace(entry, metadata=dict(entry.metadata)))
+        copied.append(
+            frame.IndexEntry(
+                e.record_id, e.codec, dict(e.metadata), e.tokens, e.offset, e.length, e.content, e.chunks
+            )
+        )
     SHARED_INDEXES.put(segment, frame.Index(submission_id, CHUNK_BYTES, tuple(copied)))
 
 
