@@ -313,7 +313,10 @@ class Journal:
             self._written = last
             self.bytes_since_snapshot += written
             self._syncing += 1
-        self._cv.notify_all()
+        if error is not None or self._pending:
+            # Frames queued during the write may lead the next batch now (J2.4); waiters whose
+            # frames were just written need this batch's sync, so they are woken after it.
+            self._cv.notify_all()
         if error is None:
             self._cv.release()
             try:

@@ -66,22 +66,13 @@ SHARED_INDEXES = _SharedIndexes()
 def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[frame.IndexEntry]) -> None:
     """Share the index of an extent this process just made durable (the writer calls it).
 
-    Only when every metadata value is a scalar, copied: the caller's dicts stay theirs to
-    change, and a cached index must keep describing the bytes on disk.
+    The writer's entries hold copies of the callers' metadata (``PackWriter._layout``); only
+    flat ones are shared, so nothing a caller still holds can change a cached index.
     """
-    copied = []
     for e in entries:
-        if e.inline is not None:
-            copied.append(e)  # the store's own manifest body, never handed to a caller
-            continue
-        if not all(type(v) in _SCALARS for v in e.metadata.values()):
+        if e.inline is None and not all(type(v) in _SCALARS for v in e.metadata.values()):
             return
-        copied.append(
-            frame.IndexEntry(
-                e.record_id, e.codec, dict(e.metadata), e.tokens, e.offset, e.length, e.content, e.chunks
-            )
-        )
-    SHARED_INDEXES.put(segment, frame.Index(submission_id, CHUNK_BYTES, tuple(copied)))
+    SHARED_INDEXES.put(segment, frame.Index(submission_id, CHUNK_BYTES, tuple(entries)))
 
 
 @dataclass

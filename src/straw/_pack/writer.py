@@ -190,7 +190,7 @@ class PackWriter:
                 frame.IndexEntry(
                     e.record_id,
                     e.codec,
-                    e.metadata,
+                    dict(e.metadata),  # a copy: the caller's dict stays theirs to change
                     e.tokens,
                     position,
                     e.payload.nbytes,
