@@ -413,7 +413,7 @@ def test_metrics_drain_snapshot_close_and_context_manager(make: Any, store: Shar
     assert record.codec == "json.v1" and record.metadata["queue_id"] == "rollout"
     state = decode(bytes(record.payload))
     assert [t[0][0] for t in state["tasks"]] == ["a", "b", "c"]  # compact snapshot: spec field lists
-    assert len(state["commits"]) == 2
+    assert len(state["commits"]["rows"]) == 2  # packed: rows, their segments, the packs they name
     coord.close()
     coord.close()  # idempotent
     with pytest.raises(UnsafeRecovery, match="closed"):

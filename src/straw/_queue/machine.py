@@ -31,6 +31,7 @@ from ..errors import (
     invariant,
 )
 from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode
+from .commits import CommitLog
 from .index import Key, PendingIndex, pending_key
 
 Event = dict[str, Any]
@@ -121,7 +122,7 @@ class QueueState:
     expiry: list[tuple[float, str, str]] = field(default_factory=list)
     requests: dict[str, tuple[str, Any]] = field(default_factory=dict)
     submissions: dict[str, int] = field(default_factory=dict)
-    commits: list[dict[str, Any]] = field(default_factory=list)
+    commits: CommitLog = field(default_factory=CommitLog)
     commit_workers: list[str] = field(default_factory=list)
     #: Packs each accepted result reaches (known when it was validated), so GC roots need no I/O.
     commit_packs: list[list[str]] = field(default_factory=list)
@@ -730,7 +731,7 @@ class QueueState:
         for task_id, attempt_id in event["reads"]:
             self._end_read((task_id, attempt_id))
         worker = event["worker_id"]
-        return [c for c, w in zip(self.commits, self.commit_workers, strict=True) if w == worker]
+        return [self.commits[p] for p, w in enumerate(self.commit_workers) if w == worker]
 
     def check_release_reads(self, leases: Sequence[Lease]) -> Event:
         return {"op": "release_reads", "reads": self._lease_pairs(list(leases))}
@@ -891,12 +892,12 @@ class QueueState:
                 refs.append(as_dict(task.spec.input_ref))
         for inputs in self.read_inputs.values():
             refs += inputs
-        for receipt, known in zip(self.commits, self.commit_packs, strict=True):
-            if not acknowledged(receipt["position"]):
+        for position, known in enumerate(self.commit_packs):
+            if not acknowledged(position):
                 if known:
                     packs.update(known)
                 else:
-                    refs.append(receipt["result_ref"])
+                    refs.append(self.commits[position]["result_ref"])
         for consumer in self.consumers.values():
             if consumer.state is not None:
                 refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]
@@ -955,7 +956,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
             t.generation,
             t.failures,
             t.failure,
-            _lease_row(t.lease) if t.lease is not None else None,
+            _lease_row(t.lease, state, t.spec.task_id) if t.lease is not None else None,
             t.deadline,
         ]
         for row, t in zip(rows, state.tasks.values(), strict=True)
@@ -971,12 +972,12 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "refs": refs,
         "tasks": tasks,
         "requests": {k: [v[0], v[1]] for k, v in state.requests.items()},
-        "commits": _pack_commits(state.commits),
+        "commits": state.commits.pack(state.run_id),
         "commit_workers": state.commit_workers,
         # A result that lives in one pack (the usual case) reaches just its manifest's pack: 0.
         "commit_packs": [
-            0 if packs == [c["result_ref"]["manifest"]["segment"]["path"]] else packs
-            for c, packs in zip(state.commits, state.commit_packs, strict=True)
+            0 if packs == [state.commits.result_path(position)] else packs
+            for position, packs in enumerate(state.commit_packs)
         ],
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
@@ -986,95 +987,13 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
     }
 
 
-_SEGMENT_FIELDS = (
-    "run_id",
-    "path",
-    "segment_id",
-    "size",
-    "checksum",
-    "version",
-    "checksum_algorithm",
-    "offset",
-)
-
-
-def _lease_row(lease: Lease) -> list[Any]:
-    """A lease as its field values, in Lease's field order (snapshots only)."""
-    return [
-        lease.run_id,
-        lease.queue_id,
-        lease.task_id,
-        lease.attempt_id,
-        lease.generation,
-        lease.coordinator_epoch,
-        lease.token,
-        lease.worker_id,
-    ]
-
-
-def _pack_commits(commits: list[dict[str, Any]]) -> dict[str, Any]:
-    """The accepted log with each result's segment stored once (many results share an extent)."""
-    segments: list[list[Any]] = []
-    slots: dict[tuple[str, int], int] = {}
-    rows = []
-    for c in commits:
-        ref = c["result_ref"]
-        segment = ref["manifest"]["segment"]
-        key = (segment["path"], segment["offset"])
-        slot = slots.get(key)
-        if slot is None:
-            slot = slots[key] = len(segments)
-            segments.append([segment[name] for name in _SEGMENT_FIELDS])
-        rows.append(
-            [
-                c["commit_id"],
-                c["task_id"],
-                c["submission_id"],
-                c["digest"],
-                slot,
-                ref["manifest"]["ordinal"],
-                0 if ref["digest"] == c["digest"] else ref["digest"],
-                ref["records"],
-                ref["payload_bytes"],
-                ref["tokens"],
-            ]
-        )
-    return {"segments": segments, "rows": rows}
-
-
-def _unpack_commits(packed: Mapping[str, Any]) -> list[dict[str, Any]]:
-    segments = [dict(zip(_SEGMENT_FIELDS, values, strict=True)) for values in packed["segments"]]
-    commits = []
-    for position, (
-        commit_id,
-        task_id,
-        submission_id,
-        commit_digest,
-        slot,
-        ordinal,
-        ref_digest,
-        records,
-        size,
-        tokens,
-    ) in enumerate(packed["rows"]):
-        ref = {
-            "manifest": {"segment": segments[slot], "ordinal": ordinal},
-            "digest": commit_digest if ref_digest == 0 else ref_digest,
-            "records": records,
-            "payload_bytes": size,
-            "tokens": tokens,
-        }
-        commits.append(
-            {
-                "commit_id": commit_id,
-                "task_id": task_id,
-                "submission_id": submission_id,
-                "digest": commit_digest,
-                "position": position,
-                "result_ref": ref,
-            }
-        )
-    return commits
+def _lease_row(lease: Lease, state: QueueState, task_id: str) -> list[Any]:
+    """A task's lease as the values its task and queue do not already give (snapshots only)."""
+    invariant(
+        (lease.run_id, lease.queue_id, lease.task_id) == (state.run_id, state.queue_id, task_id),
+        "a task's lease was minted by its own queue",
+    )
+    return [lease.attempt_id, lease.generation, lease.coordinator_epoch, lease.token, lease.worker_id]
 
 
 def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueState:
@@ -1121,7 +1040,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
             generation,
             failures,
             failure,
-            Lease(*lease) if lease is not None else None,
+            Lease(state.run_id, state.queue_id, spec.task_id, *lease) if lease is not None else None,
             deadline,
         )
         state.tasks[spec.task_id] = task
@@ -1134,13 +1053,14 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.pending.add_many(pending)
     state.control.add_many(control)
     state.requests = {k: (v[0], v[1]) for k, v in data["requests"].items()}
-    state.commits = _unpack_commits(data["commits"])
+    state.commits = CommitLog.unpack(data["commits"], state.run_id)
     state.commit_workers = list(data["commit_workers"])
     state.commit_packs = [
-        [c["result_ref"]["manifest"]["segment"]["path"]] if packs == 0 else list(packs)
-        for c, packs in zip(state.commits, data["commit_packs"], strict=True)
+        [state.commits.result_path(position)] if packs == 0 else list(packs)
+        for position, packs in enumerate(data["commit_packs"])
     ]
-    state.submissions = {c["submission_id"]: c["position"] for c in state.commits}
+    invariant(len(state.commit_packs) == len(state.commits), "one pack list per accepted result")
+    state.submissions = state.commits.submissions()
     state.producers = dict(data["producers"])
     for item, inputs in data["reads"]:
         lease = Lease.from_dict(item)

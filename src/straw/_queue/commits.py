@@ -1,0 +1,170 @@
+"""The accepted-results log: receipts by position, packed rows until someone reads them.
+
+A snapshot stores the log as rows of values plus a table of the result segments they
+name (many results share an extent) and a table of pack paths (many segments share a
+pack). A segment row holds only what differs between segments: its path's slot, size,
+checksum and offset; the run id, segment id (the file name's stem), format version and
+checksum algorithm follow from the queue and the path unless the row says otherwise.
+Loading a snapshot keeps those rows as they are: a receipt dict is built only when a
+position is read (``read_commits``, a retried completion), which keeps recovery time and
+memory proportional to what is used, not to the whole history. Receipts accepted after
+the load are kept as dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, overload
+
+from ..protocol import CHECKSUM_ALGORITHM
+
+_FORMAT_VERSION = 1
+
+# Row layout: commit id, task id, submission id, digest, segment slot, manifest ordinal,
+# the reference's digest (0 when it equals the receipt's), records, payload bytes, tokens.
+_SUBMISSION = 2
+_SLOT = 4
+
+
+class CommitLog:
+    """Receipts in position order: loaded rows first, then receipts appended since."""
+
+    def __init__(self, run_id: str = "", packed: Mapping[str, Any] | None = None) -> None:
+        self._run_id = run_id
+        self._paths: list[str] = list(packed["paths"]) if packed else []
+        self._segments: list[list[Any]] = list(packed["segments"]) if packed else []
+        self._rows: list[list[Any]] = list(packed["rows"]) if packed else []
+        self._new: list[dict[str, Any]] = []
+
+    @classmethod
+    def unpack(cls, packed: Mapping[str, Any], run_id: str) -> CommitLog:
+        return cls(run_id, packed)
+
+    def __len__(self) -> int:
+        return len(self._rows) + len(self._new)
+
+    @overload
+    def __getitem__(self, position: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, position: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, position: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(position, slice):
+            return [self._receipt(p) for p in range(*position.indices(len(self)))]
+        if position < 0:
+            position += len(self)
+        if not 0 <= position < len(self):
+            raise IndexError(f"commit position {position} out of range")
+        return self._receipt(position)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self._receipt(p) for p in range(len(self)))
+
+    def append(self, receipt: dict[str, Any]) -> None:
+        self._new.append(receipt)
+
+    def submissions(self) -> dict[str, int]:
+        """Submission id -> position, without building receipts."""
+        out = {row[_SUBMISSION]: p for p, row in enumerate(self._rows)}
+        base = len(self._rows)
+        for offset, receipt in enumerate(self._new):
+            out[receipt["submission_id"]] = base + offset
+        return out
+
+    def result_path(self, position: int) -> str:
+        """The pack holding the manifest of the result at ``position``."""
+        if position < len(self._rows):
+            return self._paths[self._segments[self._rows[position][_SLOT]][0]]
+        return str(self._new[position - len(self._rows)]["result_ref"]["manifest"]["segment"]["path"])
+
+    def pack(self, run_id: str) -> dict[str, Any]:
+        """The snapshot form: loaded rows as they are, later receipts packed after them."""
+        paths = list(self._paths)
+        path_slots = {path: slot for slot, path in enumerate(paths)}
+        segments = list(self._segments)
+        slots = {(row[0], row[3]): slot for slot, row in enumerate(segments)}
+        rows = list(self._rows)
+        for c in self._new:
+            ref = c["result_ref"]
+            segment = ref["manifest"]["segment"]
+            path = segment["path"]
+            path_slot = path_slots.get(path)
+            if path_slot is None:
+                path_slot = path_slots[path] = len(paths)
+                paths.append(path)
+            key = (path_slot, segment["offset"])
+            slot = slots.get(key)
+            if slot is None:
+                slot = slots[key] = len(segments)
+                segments.append(_segment_row(segment, path_slot, run_id))
+            rows.append(
+                [
+                    c["commit_id"],
+                    c["task_id"],
+                    c["submission_id"],
+                    c["digest"],
+                    slot,
+                    ref["manifest"]["ordinal"],
+                    0 if ref["digest"] == c["digest"] else ref["digest"],
+                    ref["records"],
+                    ref["payload_bytes"],
+                    ref["tokens"],
+                ]
+            )
+        return {"paths": paths, "segments": segments, "rows": rows}
+
+    def _receipt(self, position: int) -> dict[str, Any]:
+        if position >= len(self._rows):
+            return self._new[position - len(self._rows)]
+        commit_id, task_id, submission_id, commit_digest, slot, ordinal, ref_digest, records, size, tokens = (
+            self._rows[position]
+        )
+        ref = {
+            "manifest": {"segment": self._segment(slot), "ordinal": ordinal},
+            "digest": commit_digest if ref_digest == 0 else ref_digest,
+            "records": records,
+            "payload_bytes": size,
+            "tokens": tokens,
+        }
+        return {
+            "commit_id": commit_id,
+            "task_id": task_id,
+            "submission_id": submission_id,
+            "digest": commit_digest,
+            "position": position,
+            "result_ref": ref,
+        }
+
+    def _segment(self, slot: int) -> dict[str, Any]:
+        path_slot, size, checksum, offset, *extra = self._segments[slot]
+        path = self._paths[path_slot]
+        segment = {
+            "run_id": self._run_id,
+            "path": path,
+            "segment_id": _stem(path),
+            "size": size,
+            "checksum": checksum,
+            "version": _FORMAT_VERSION,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "offset": offset,
+        }
+        if extra:
+            segment.update(extra[0])
+        return segment
+
+
+def _stem(path: str) -> str:
+    return path.rsplit("/", 1)[-1].split(".", 1)[0]
+
+
+def _segment_row(segment: Mapping[str, Any], path_slot: int, run_id: str) -> list[Any]:
+    """A segment as [path slot, size, checksum, offset] plus the fields that are not implied."""
+    implied = {
+        "run_id": run_id,
+        "segment_id": _stem(segment["path"]),
+        "version": _FORMAT_VERSION,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+    }
+    extra = {name: segment[name] for name, value in implied.items() if segment[name] != value}
+    row = [path_slot, segment["size"], segment["checksum"], segment["offset"]]
+    return [*row, extra] if extra else row
