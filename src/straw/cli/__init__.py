@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from straw import benchmark
 from straw._inspect import cli as inspect_cli
@@ -37,6 +38,27 @@ def _printing(
     return handler
 
 
+def _command(
+    commands: Any,
+    name: str,
+    summary: str,
+    texts: tuple[str, str],
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    handler: Callable[[argparse.Namespace], int],
+) -> None:
+    """One subcommand: its one-line help, description and exit codes, options and handler."""
+    description, exit_codes = texts
+    command = commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=exit_codes,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(command)
+    command.set_defaults(handler=handler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="straw",
@@ -47,33 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
     # layer than the command line (tests/test_tidy.py), so it is not imported here.
     parser.add_argument("--version", action="version", version=f"straw {benchmark.straw_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    bench = commands.add_parser(
+    _command(
+        commands,
         "bench",
-        help="benchmark and verify a pool: bulk, small and large publications, read-back, memory",
-        description=benchmark.DESCRIPTION,
-        epilog=benchmark.EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "benchmark and verify a pool: bulk, small and large publications, read-back, memory",
+        (benchmark.DESCRIPTION, benchmark.EXIT_CODES),
+        benchmark.add_arguments,
+        benchmark.run,
     )
-    benchmark.add_arguments(bench)
-    bench.set_defaults(handler=benchmark.run)
-    inspect = commands.add_parser(
+    _command(
+        commands,
         "inspect",
-        help="describe a pool: packs, owners, queues (--json for tools, --why PACK)",
-        description=inspect_cli.INSPECT_DESCRIPTION,
-        epilog=inspect_cli.INSPECT_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "describe a pool: packs, owners, queues (--json for tools, --why PACK)",
+        (inspect_cli.INSPECT_DESCRIPTION, inspect_cli.INSPECT_EXIT_CODES),
+        inspect_cli.add_inspect_arguments,
+        _printing(inspect_cli.run_inspect),
     )
-    inspect_cli.add_inspect_arguments(inspect)
-    inspect.set_defaults(handler=_printing(inspect_cli.run_inspect))
-    check = commands.add_parser(
+    _command(
+        commands,
         "check",
-        help="verify every frame, checksum and owner of a pool; --fix makes only safe repairs",
-        description=inspect_cli.CHECK_DESCRIPTION,
-        epilog=inspect_cli.CHECK_EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "verify every frame, checksum and owner of a pool; --fix makes only safe repairs",
+        (inspect_cli.CHECK_DESCRIPTION, inspect_cli.CHECK_EXIT_CODES),
+        inspect_cli.add_check_arguments,
+        _printing(inspect_cli.run_check),
     )
-    inspect_cli.add_check_arguments(check)
-    check.set_defaults(handler=_printing(inspect_cli.run_check))
     return parser
 
 
