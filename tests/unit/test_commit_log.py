@@ -105,5 +105,8 @@ def test_appending_after_a_load_packs_like_one_log_built_at_once() -> None:
     for item in more:
         loaded.append(item)
     assert loaded.pack(RUN) == log_of(items + more).pack(RUN)
+    everything = items + more
+    for window in (slice(4, 8), slice(6, 8), slice(7, 3), slice(0, 8, 3), slice(-3, None)):
+        assert loaded[window] == everything[window], window
     assert list(reload(loaded)) == items + more
     assert loaded.submissions()["s7"] == 7 and loaded.result_path(7) == PACK_B

@@ -50,7 +50,11 @@ class CommitLog:
 
     def __getitem__(self, position: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
         if isinstance(position, slice):
-            return [self._receipt(p) for p in range(*position.indices(len(self)))]
+            start, stop, step = position.indices(len(self))
+            loaded = len(self._rows)
+            if step == 1 and start >= loaded:
+                return self._new[start - loaded : max(start, stop) - loaded]  # no loaded rows: a plain slice
+            return [self._receipt(p) for p in range(start, stop, step)]
         if position < 0:
             position += len(self)
         if not 0 <= position < len(self):
