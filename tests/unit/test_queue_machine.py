@@ -24,6 +24,7 @@ from straw._queue.machine import (
     FAILED,
     LEASED,
     PENDING,
+    SNAPSHOT_VERSION,
     STATES,
     TRANSITIONS,
     Answer,
@@ -33,6 +34,7 @@ from straw._queue.machine import (
     state_to_dict,
 )
 from straw.errors import (
+    CorruptData,
     IdempotencyConflict,
     InvalidReference,
     InvariantViolation,
@@ -40,6 +42,7 @@ from straw.errors import (
     QueueError,
     ResourceLimitExceeded,
     StaleAttempt,
+    UnsupportedSchema,
 )
 from straw.protocol import Lease, RecordRef, RecordSetRef, SegmentRef, TaskSpec, decode, encode
 
@@ -847,6 +850,17 @@ def _workload(s: QueueState, rng: random.Random, ids: Ids, steps: int, clock: li
                 clock[0] += rng.choice([0.5, 3.0, LEASE_S])
         except (QueueError, KeyError, ValueError) as error:
             assert dump(s) == before, f"rejected call changed the state: {error!r}"
+
+
+def test_a_snapshot_of_another_version_or_malformed_is_refused_by_name() -> None:
+    s = fresh()
+    data = decode(encode(state_to_dict(s)))
+    assert data["v"] == SNAPSHOT_VERSION
+    with pytest.raises(UnsupportedSchema, match="queue snapshot version 1 is not supported"):
+        state_from_dict({**data, "v": 1}, LIMITS)
+    broken = {k: v for k, v in data.items() if k != "commits"}
+    with pytest.raises(CorruptData, match=r"queue snapshot is malformed \(KeyError"):
+        state_from_dict(broken, LIMITS)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import (
+    CorruptData,
     IdempotencyConflict,
     InvalidReference,
     LeaseExpired,
     ResourceLimitExceeded,
     StaleAttempt,
+    UnsupportedSchema,
     invariant,
 )
 from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode
@@ -962,7 +964,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         for row, t in zip(rows, state.tasks.values(), strict=True)
     ]
     return {
-        "v": 1,
+        "v": SNAPSHOT_VERSION,
         "run_id": state.run_id,
         "queue_id": state.queue_id,
         "epoch": state.epoch,
@@ -996,6 +998,11 @@ def _lease_row(lease: Lease, state: QueueState, task_id: str) -> list[Any]:
     return [lease.attempt_id, lease.generation, lease.coordinator_epoch, lease.token, lease.worker_id]
 
 
+#: Version of the snapshot body (``state_to_dict``). 2: the accepted log as rows, segment rows
+#: and a path table (``straw._queue.commits``), task leases without implied fields.
+SNAPSHOT_VERSION = 2
+
+
 def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueState:
     """An empty queue with the per-item limits of its identity (``Limits``)."""
     return QueueState(
@@ -1013,10 +1020,18 @@ def state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queue
     Python's cycle collector is paused meanwhile: the rebuild allocates one object per
     field of every task and would otherwise trigger full collections over a growing heap.
     """
+    version = data.get("v") if isinstance(data, Mapping) else None
+    if version != SNAPSHOT_VERSION:
+        raise UnsupportedSchema(
+            f"queue snapshot version {version!r} is not supported (this straw reads {SNAPSHOT_VERSION})"
+        )
     collecting = gc.isenabled()
     gc.disable()
     try:
         return _state_from_dict(data, limits)
+    except (KeyError, IndexError, TypeError, ValueError) as error:
+        # The frame's checksum held, so only a writer bug produces this; never guess past it.
+        raise CorruptData(f"queue snapshot is malformed ({type(error).__name__}: {error})") from None
     finally:
         if collecting:
             gc.enable()
