@@ -12,7 +12,7 @@ from pathlib import Path
 
 from queue_helpers import work_one
 from straw.coordinator import Coordinator
-from straw.protocol import Record, TaskSpec
+from straw.protocol import Record, RecordSetRef, TaskSpec
 from straw.store import SharedFilesystemStore
 
 RUN = "run-check"
@@ -71,3 +71,31 @@ def flip(path: Path, offset: int) -> None:
 
 def segments(root: Path, queue: str = "queue") -> list[Path]:
     return sorted((root / queue / "wal").glob("*.wal"))
+
+
+def result_pool(root: Path) -> tuple[Built, RecordSetRef, str]:
+    """A pool whose queue accepted a result published by a second (closed) writer.
+
+    The result's staging is over (``release_publications``), so once the queue's owner no
+    longer reaches its pack, nothing keeps it. Returns the pool, the result and its pack.
+    """
+    built = build_pool(root, tasks=2, done=1, leased=0)
+    worker = SharedFilesystemStore(root, RUN)
+    lease = built.coordinator.acquire("w-other").assignments[0].lease
+    metadata = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
+    ref = worker.publish([Record("out", b"r" * 300, metadata=metadata)], submission_id="result-other")
+    built.coordinator.complete_task(
+        lease, submission_id="sub-other", result_ref=ref, result_digest=ref.digest
+    )
+    worker.release_publications([ref])
+    worker.close()
+    return built, ref, ref.manifest.segment.path
+
+
+def drop_queue_ownership(built: Built, pack: str) -> None:
+    """Damage: the queue's owner stops reaching ``pack`` (a retain event without it)."""
+    owner = built.coordinator._gc_owner
+    with built.store._catalog.locked() as catalog:
+        packs = set(catalog.state.owners[owner])
+        assert pack in packs
+        catalog.append([{"op": "retain", "owner": owner, "packs": sorted(packs - {pack})}])

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pool_damage import RUN, build_pool, close_pool, flip, packs, segments, tree_digest
+from pool_damage import (
+    RUN,
+    build_pool,
+    close_pool,
+    drop_queue_ownership,
+    flip,
+    packs,
+    result_pool,
+    segments,
+    tree_digest,
+)
 from queue_helpers import crash
 from straw._fs import lock
 from straw._inspect.check import check_pool
@@ -42,7 +52,14 @@ def test_clean_live_pool_is_ok_and_check_changes_no_byte(
     code, out, err = run(capsys, str(tmp_path))
     assert (code, err) == (0, "")
     assert "ok: no problems" in out
+    assert "pack.open" not in out and "informational note(s); --verbose shows them" in out
     report = check_pool(tmp_path)
+    notes = len(report.findings)
+    assert f"{notes} informational note(s)" in out
+    code, out, _ = run(capsys, str(tmp_path), "--verbose")
+    assert code == 0 and "pack.open" in out and "journal.zero_tail" in out and "--verbose shows" not in out
+    code, out, _ = run(capsys, str(tmp_path), "--json")
+    assert code == 0 and len(json.loads(out)["findings"]) == notes
     assert report.ok and {"pack.open", "pack.zero_tail", "journal.zero_tail"} <= set(codes(report))
     assert all(f.severity == "info" for f in report.findings)
     assert tree_digest(tmp_path) == before
@@ -264,3 +281,70 @@ def test_final_frame_with_zero_body_is_a_torn_write_fix_cuts(tmp_path: Path) -> 
     assert reopened.commits == commits
     reopened.close()
     built.store.close()
+
+
+def test_unowned_queue_root_is_owned_again_by_fix_and_survives_collection(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built, ref, pack = result_pool(tmp_path)
+    drop_queue_ownership(built, pack)
+    close_pool(built)
+    before = tree_digest(tmp_path)
+    code, out, _ = run(capsys, str(tmp_path))
+    assert code == 1 and "root.unowned" in out and "straw check --fix" in out
+    assert "result of task 't1' (accepted at position 1)" in out
+    assert tree_digest(tmp_path) == before
+    (finding,) = check_pool(tmp_path).findings
+    assert (finding.code, finding.severity, finding.path) == ("root.unowned", "repairable", pack)
+    code, out, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 0 and "repairable (repaired)" in out and "1 finding(s) repaired" in out
+    assert check_pool(tmp_path).findings == []
+    store = SharedFilesystemStore(tmp_path, RUN)
+    owner = built.coordinator._gc_owner
+    assert pack in store._owned(owner)
+    store.collect_garbage()
+    assert (tmp_path / pack).exists()
+    assert [r.payload for r in store.read(ref)] == [b"r" * 300]
+    store.close()
+    assert check_pool(tmp_path).ok
+
+
+def test_fix_owns_a_root_beside_a_live_coordinator(tmp_path: Path) -> None:
+    built, ref, pack = result_pool(tmp_path)
+    drop_queue_ownership(built, pack)
+    report = check_pool(tmp_path, fix=True)  # the coordinator holds its queue's lock throughout
+    assert [f.code for f in report.repaired] == ["root.unowned"] and report.ok
+    built.coordinator.collect_garbage()  # replaces the owner's set with exactly its roots
+    assert [r.payload for r in built.store.read(ref)] == [b"r" * 300]
+    assert check_pool(tmp_path).ok
+    close_pool(built)
+
+
+def test_tombstoned_queue_root_stays_an_error_after_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fault(phase: str) -> None:
+        if phase == "before_unlink":
+            raise OSError("simulated crash between tombstone and unlink")
+
+    built, _, pack = result_pool(tmp_path)
+    drop_queue_ownership(built, pack)
+    close_pool(built)
+    collector = SharedFilesystemStore(tmp_path, RUN, backend=FilesystemBackend(tmp_path, fault=fault))
+    with pytest.raises(Exception, match="simulated crash"):
+        collector.collect_garbage()
+    collector.close()
+    assert (tmp_path / pack).exists()
+    report = check_pool(tmp_path)
+    assert codes(report) == {"pack.tombstoned_present": "repairable", "root.unowned": "error"}
+    (lost,) = [f for f in report.findings if f.code == "root.unowned"]
+    assert "garbage-collected" in lost.message and "lost: result of task 't1'" in lost.message
+    code, out, _ = run(capsys, str(tmp_path), "--fix")
+    assert code == 1 and "root.unowned" in out and "1 problem(s) remain" in out
+    assert not (tmp_path / pack).exists()  # the interrupted unlink was finished
+    store = SharedFilesystemStore(tmp_path, RUN)
+    assert pack not in store._owned(built.coordinator._gc_owner)  # a tombstone is never retained
+    store.close()
+    after = check_pool(tmp_path, fix=True)
+    assert codes(after) == {"root.missing_pack": "error"} and not after.ok
+    assert "was garbage-collected; lost: result of task 't1'" in after.findings[0].message

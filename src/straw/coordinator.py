@@ -80,6 +80,11 @@ def _text(value: object, what: str) -> str:
     return value
 
 
+def queue_owner(run_id: str, relative_directory: str) -> str:
+    """The catalog owner holding a queue's roots (docs/GC.md "Queue roots"); ``straw check`` uses it too."""
+    return "queue:" + digest([run_id, relative_directory])[:32]
+
+
 class Coordinator:
     """The single live owner of one durable queue in a pool."""
 
@@ -126,7 +131,7 @@ class Coordinator:
             raise posix.storage_error(error, f"opening queue directory {self.directory}") from error
         # docs/GC.md "Queue roots": this queue's owner in the pool's catalog, and the packs it
         # is known to own (a reference into an owned pack needs no catalog write).
-        self._gc_owner = "queue:" + digest([store.run_id, os.path.relpath(self.directory, root)])[:32]
+        self._gc_owner = queue_owner(store.run_id, os.path.relpath(self.directory, root))
         try:
             self._owned = store._owned(self._gc_owner)
             self._journal = Journal(

@@ -13,13 +13,16 @@ import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 
+from .._catalog.log import Catalog
 from .._catalog.state import CatalogState
 from .._fs import durable, lock, posix
 from .._journal import frame as journal_frame
 from .._pack import frame as pack_frame
+from ..backend import FilesystemBackend
 from ..coordinator import LOCK_FILE
+from ..errors import QueueError
 from .catalog_view import CatalogView, _load, catalog_lock
-from .gather import Pool, gather
+from .gather import Pool, RootSet, gather
 from .journal_scan import Tail, scan_journal
 from .layout import NotAPool
 from .queue_view import QueueView
@@ -84,7 +87,7 @@ def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str |
 
     Raises :class:`NotAPool` when ``root`` is not a pool. Safe beside live
     writers and coordinators; with ``fix`` it repairs only what docs/CHECK.md
-    lists as repairable, skipping queues whose coordinator is alive.
+    lists as repairable, never touching the journal of a queue whose coordinator is alive.
     """
     pool = gather(root, fix_catalog=fix)
     findings: list[Finding] = []
@@ -97,10 +100,11 @@ def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str |
             repaired.append(finding)
     findings += _pack_findings(pool, run_id)
     findings += _owner_findings(pool)
+    claims: dict[Finding, str] = {}  # root.unowned finding -> the queue owner that should reach it
     for view in pool.queues:
-        findings += _queue_findings(pool, view, run_id)
+        findings += _queue_findings(pool, view, run_id, claims)
     if fix:
-        repaired += _repair(pool, findings)
+        repaired += _repair(pool, findings, claims)
     run_ids = sorted({v.run_id for v in pool.queues if v.run_id is not None})
     return CheckReport(pool.root, findings, repaired, run_ids)
 
@@ -218,7 +222,9 @@ def _owner_findings(pool: Pool) -> list[Finding]:
 # --------------------------------------------------------------------------- queues
 
 
-def _queue_findings(pool: Pool, view: QueueView, run_id: str | None) -> list[Finding]:
+def _queue_findings(
+    pool: Pool, view: QueueView, run_id: str | None, claims: dict[Finding, str]
+) -> list[Finding]:
     out = [_finding(p) for p in view.problems]
     if run_id is not None and view.run_id is not None and view.run_id != run_id:
         out.append(
@@ -266,28 +272,40 @@ def _queue_findings(pool: Pool, view: QueueView, run_id: str | None) -> list[Fin
                 f"queue {view.queue_id!r} names data it cannot read: {message}",
             )
         )
-    owned = pool.catalog.state.owners.get(view.owner() or "", set())
+    return out + _root_findings(pool, view, roots, claims)
+
+
+def _root_findings(pool: Pool, view: QueueView, roots: RootSet, claims: dict[Finding, str]) -> list[Finding]:
+    """Packs the queue needs that are gone, or that its owner does not reach (I16)."""
+    out = []
+    owner = view.owner() or ""
+    owned = pool.catalog.state.owners.get(owner, set())
+    tombstones = pool.catalog.state.tombstones
     on_disk = pool.on_disk
+    queue = f"queue {view.queue_id!r}"
     for path in sorted(roots.packs):
+        lost = f"lost: {roots.lost(path)}"
         if path not in on_disk:
-            out.append(
-                Finding(
-                    "root.missing_pack",
-                    ERROR,
-                    path,
-                    f"queue {view.queue_id!r} still needs {path}, which is gone",
-                )
+            how = "was garbage-collected" if path in tombstones else "is gone"
+            message = f"{queue} still needs {path}, which {how}; {lost}"
+            out.append(Finding("root.missing_pack", ERROR, path, message))
+        elif path in tombstones:
+            message = (
+                f"{queue} needs {path} but it was garbage-collected (tombstoned; it can never be "
+                f"retained again, I15); {lost}"
             )
+            out.append(Finding("root.unowned", ERROR, path, message))
         elif path not in owned:
-            out.append(
-                Finding(
-                    "root.unowned",
-                    ERROR,
-                    path,
-                    f"queue {view.queue_id!r} needs {path} but its owner {view.owner()} "
-                    "does not reach it (I16)",
-                )
+            finding = Finding(
+                "root.unowned",
+                REPAIRABLE,
+                path,
+                f"{queue} needs {path} ({roots.lost(path)}) but its owner {owner} does not reach it (I16)",
+                "record it under the queue's owner (an add event under catalog/LOCK, refusing tombstoned "
+                "packs): retains more, never less",
             )
+            claims[finding] = owner
+            out.append(finding)
     return out
 
 
@@ -303,8 +321,10 @@ def _settled(root: str, view: QueueView, tail: Tail) -> bool:
 # --------------------------------------------------------------------------- repairs
 
 
-def _repair(pool: Pool, findings: list[Finding]) -> list[Finding]:
+def _repair(pool: Pool, findings: list[Finding], claims: dict[Finding, str]) -> list[Finding]:
     repaired: list[Finding] = []
+    if claims:
+        repaired += _own_roots(pool.root, claims)
     tombstoned = [f for f in findings if f.code == "pack.tombstoned_present"]
     if tombstoned:
         repaired += _unlink_tombstoned(pool.root, tombstoned)
@@ -314,6 +334,36 @@ def _repair(pool: Pool, findings: list[Finding]) -> list[Finding]:
             if _cut_journal(pool.root, view):
                 repaired.append(finding)
     return repaired
+
+
+def _own_roots(root: str, claims: dict[Finding, str]) -> list[Finding]:
+    """Record unowned queue roots under their queue's owner, as the store's ``_own`` does (G3).
+
+    Under ``catalog/LOCK`` with the state caught up, a pack is added only when it is not
+    tombstoned and still on disk; the others stay errors. Adding retains more, never less,
+    so it is safe beside a live coordinator (its next collection replaces the set with
+    exactly its roots). A catalog that cannot be locked or read leaves every finding.
+    """
+    done: list[Finding] = []
+    catalog = Catalog(FilesystemBackend(root, visibility_delays=()))
+    try:
+        with catalog.locked() as held:
+            wanted: dict[str, set[str]] = {}
+            for finding, owner in claims.items():
+                path = finding.path
+                if path in held.state.tombstones or not posix.exists(os.path.join(root, path)):
+                    continue
+                if path not in held.state.owners.get(owner, set()):
+                    wanted.setdefault(owner, set()).add(path)
+                done.append(finding)
+            events = [{"op": "add", "owner": o, "packs": sorted(p)} for o, p in sorted(wanted.items())]
+            if events:
+                held.append(events)
+    except (QueueError, OSError):
+        return []
+    finally:
+        catalog.close()
+    return done
 
 
 def _unlink_tombstoned(root: str, findings: list[Finding]) -> list[Finding]:

@@ -17,7 +17,8 @@ Verify a pool: every pack frame and checksum, every journal and catalog frame,
 that every live root of every queue is owned and every owned pack exists.
 Read-only unless --fix, which only makes repairs that cannot lose acknowledged
 data (docs/CHECK.md): finishing the unlink of a tombstoned pack, cutting a torn
-journal or catalog tail. Queues whose coordinator is alive are never touched.
+journal or catalog tail, recording a queue root its queue's owner lost. Journals
+of queues whose coordinator is alive are never touched.
 """
 
 CHECK_EXIT_CODES = """\
@@ -46,6 +47,11 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fix", action="store_true", help="make the safe repairs (docs/CHECK.md)")
     parser.add_argument("--run-id", metavar="RUN", help="assert that the pool belongs to run RUN")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="list informational notes too (hidden from the table by default; --json has them all)",
+    )
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +81,10 @@ def run_check(options: argparse.Namespace) -> Outcome:
         return _fail(str(error))
     except (OSError, QueueError) as error:
         return _fail(f"cannot check {options.pool}: {error}")
-    text = _json(report.to_json()) if options.json else render_check(report, fixed=options.fix)
+    if options.json:
+        text = _json(report.to_json())
+    else:
+        text = render_check(report, fixed=options.fix, verbose=options.verbose)
     if report.foreign:
         return 2, text, f"straw: {options.pool} holds data of another run than {options.run_id!r}"
     return (0 if report.ok else 1), text, ""

@@ -18,7 +18,7 @@ from ..store import ReadSession
 from .catalog_view import CatalogView, read_catalog
 from .layout import Layout, list_pool, open_pool, writer_alive
 from .packs import PackScan, scan_pack
-from .queue_view import QueueView, load_queue, progress_ref, root_refs
+from .queue_view import QueueView, load_queue, progress_ref, ref_key, root_labels, root_refs
 
 
 @dataclass
@@ -28,6 +28,15 @@ class RootSet:
     refs: int = 0
     packs: set[str] = field(default_factory=set)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (pack or "", message)
+    reached_by: dict[str, set[str]] = field(default_factory=dict)  # pack -> names of roots reaching it
+
+    def lost(self, pack: str, limit: int = 5) -> str:
+        """The roots that reach ``pack``, for a message (at most ``limit`` named)."""
+        names = sorted(self.reached_by.get(pack, ()))
+        if not names:
+            return "a queue reference"
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
 
 
 @dataclass
@@ -72,45 +81,65 @@ def gather(root: str | os.PathLike[str], *, fix_catalog: bool = False, scan: boo
 
 
 def _resolve_roots(root: str, view: QueueView) -> RootSet:
-    """Resolve a queue's roots to packs as ``Coordinator.collect_garbage`` does, reading only indexes."""
+    """Resolve a queue's roots to packs as ``Coordinator.collect_garbage`` does, reading only indexes.
+
+    Each distinct root reference is walked on its own so that every pack knows which roots
+    reach it (``RootSet.reached_by``, named in messages about lost data).
+    """
     out = RootSet()
     backend = FilesystemBackend(root, visibility_delays=())
     session = ReadSession(backend, view.run_id or "")
     try:
         positions, finished = _acknowledgements(session, view, out)
         refs, packs = root_refs(view, positions, finished)
+        by_ref, by_pack = root_labels(view, positions)
         out.refs = len(refs) + len(packs)
-        out.packs |= packs
-        seen: set[tuple[str, int, int]] = set()
-        todo: list[Any] = []
+        for pack in packs:
+            _reach(out, pack, by_pack.get(pack, ["an accepted result"]))
+        tops: dict[str, RecordSetRef] = {}
         for item in refs:
             try:
-                todo.append(RecordSetRef.from_dict(item))
+                tops.setdefault(ref_key(item), RecordSetRef.from_dict(item))
             except (KeyError, TypeError, ValueError) as error:
                 out.unreadable.append(("", f"a root reference is malformed ({error!r})"))
-        while todo:
-            ref = todo.pop()
-            try:
-                if isinstance(ref, RecordRef):
-                    session.locate(ref)
-                    out.packs.add(ref.segment.path)
-                    continue
-                key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal)
-                if key in seen:
-                    continue
-                seen.add(key)
-                resolved = session.resolve(ref)
-            except (QueueError, OSError) as error:
-                path = ref.segment.path if isinstance(ref, RecordRef) else ref.manifest.segment.path
-                out.packs.add(path)
-                out.unreadable.append((path, str(error)))
-                continue
-            out.packs.add(ref.manifest.segment.path)
-            out.packs.update(r.segment.path for r in resolved.records)
-            todo.extend(resolved.dependencies)
+        for key, top in tops.items():
+            _walk(session, top, by_ref.get(key, [f"reference {key}"]), out)
     finally:
         session.close()
     return out
+
+
+def _reach(out: RootSet, pack: str, names: list[str]) -> None:
+    out.packs.add(pack)
+    out.reached_by.setdefault(pack, set()).update(names)
+
+
+def _walk(session: ReadSession, top: RecordSetRef, names: list[str], out: RootSet) -> None:
+    """Every pack one root reference reaches (its manifest, records and dependencies)."""
+    seen: set[tuple[str, int, int]] = set()
+    todo: list[Any] = [top]
+    while todo:
+        ref = todo.pop()
+        try:
+            if isinstance(ref, RecordRef):
+                session.locate(ref)
+                _reach(out, ref.segment.path, names)
+                continue
+            key = (ref.manifest.segment.path, ref.manifest.segment.offset, ref.manifest.ordinal)
+            if key in seen:
+                continue
+            seen.add(key)
+            resolved = session.resolve(ref)
+        except (QueueError, OSError) as error:
+            path = ref.segment.path if isinstance(ref, RecordRef) else ref.manifest.segment.path
+            _reach(out, path, names)
+            if (path, str(error)) not in out.unreadable:
+                out.unreadable.append((path, str(error)))
+            continue
+        _reach(out, ref.manifest.segment.path, names)
+        for record in resolved.records:
+            _reach(out, record.segment.path, names)
+        todo.extend(resolved.dependencies)
 
 
 def _acknowledgements(session: ReadSession, view: QueueView, out: RootSet) -> tuple[set[int], set[str]]:

@@ -8,13 +8,14 @@ frames gives exactly the state the coordinator had after the last of them
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._journal import frame as journal_frame
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
-from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
-from ..protocol import decode, digest
+from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING, queue_owner
+from ..protocol import as_dict, decode
 from .journal_scan import JournalScan, scan_journal
 
 _LIMIT_KEYS = ("max_result_bytes", "max_result_tokens", "metadata_bytes")
@@ -44,7 +45,7 @@ class QueueView:
         """The queue's owner in the catalog (docs/GC.md "Queue roots"), as the coordinator names it."""
         if self.run_id is None:
             return None
-        return "queue:" + digest([self.run_id, self.directory])[:32]
+        return queue_owner(self.run_id, self.directory)
 
 
 def _identity(root: str, view: QueueView) -> None:
@@ -214,6 +215,62 @@ def root_refs(
     state = view.state
     if state is None:
         return [], set()
+    return state.roots(_acknowledged(state, positions), finished)
+
+
+def _acknowledged(state: QueueState, positions: set[int]) -> Callable[[int], bool]:
+    """Whether the training consumer acknowledged an accepted result (its cursor or ``positions``)."""
     consumer = state.consumers.get(TRAINING)
     cursor = int(consumer.state["processed_cursor"]) if consumer and consumer.state else 0
-    return state.roots(lambda p: p < cursor or p in positions, finished)
+    return lambda p: p < cursor or p in positions
+
+
+def ref_key(ref: Any) -> str:
+    """A reference's identity for matching: its manifest's pack, offset and ordinal (or its record's)."""
+    if not isinstance(ref, dict):
+        return repr(ref)
+    manifest = ref.get("manifest", ref)
+    segment = manifest.get("segment", {}) if isinstance(manifest, dict) else {}
+    if not isinstance(segment, dict):
+        return repr(ref)
+    return f"{segment.get('path')}@{segment.get('offset')}#{manifest.get('ordinal', ref.get('index'))}"
+
+
+def root_labels(view: QueueView, positions: set[int]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Names of the queue's roots for messages: by reference (``ref_key``), and by pack for the
+    packs unacknowledged accepted results recorded at completion. Names, not a second root
+    computation: what is a root is decided by ``root_refs`` alone."""
+    by_ref: dict[str, list[str]] = {}
+    by_pack: dict[str, list[str]] = {}
+    state = view.state
+    if state is None:
+        return by_ref, by_pack
+
+    def name(ref: Any, label: str) -> None:
+        by_ref.setdefault(ref_key(ref), []).append(label)
+
+    for task_id, task in state.tasks.items():
+        if task.spec.input_ref is not None:
+            name(as_dict(task.spec.input_ref), f"input of task {task_id!r}")
+    for (task_id, attempt_id), inputs in state.read_inputs.items():
+        for ref in inputs:
+            name(ref, f"input read by task {task_id!r} attempt {attempt_id[:12]}")
+    acknowledged = _acknowledged(state, positions)
+    for position, commit in enumerate(state.commits):
+        if acknowledged(position):
+            continue
+        label = f"result of task {commit.get('task_id')!r} (accepted at position {position})"
+        name(commit.get("result_ref"), label)
+        for pack in state.commit_packs[position]:
+            by_pack.setdefault(pack, []).append(label)
+    for consumer_id, consumer in state.consumers.items():
+        for key in ("state_ref", "progress_ref"):
+            if consumer.state is not None and key in consumer.state:
+                name(consumer.state[key], f"{key} of consumer {consumer_id!r}")
+    for batch_id, batch in state.batches.items():
+        for key in ("plan_ref", "ready_ref"):
+            if batch.get(key) is not None:
+                name(batch[key], f"{key} of batch {batch_id!r}")
+    for checkpoint_id, entry in state.checkpoints.items():
+        name(entry.get("checkpoint_ref"), f"checkpoint {checkpoint_id!r}")
+    return by_ref, by_pack

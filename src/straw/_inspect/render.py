@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .check import CheckReport
+from .check import INFO, REPAIRABLE, CheckReport
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -142,9 +142,12 @@ def _short(path: str, message: str) -> str:
     return message
 
 
-def render_check(report: CheckReport, *, fixed: bool) -> str:
+def render_check(report: CheckReport, *, fixed: bool, verbose: bool = False) -> str:
+    """The findings table; informational notes only with ``verbose`` (else counted in one line)."""
     lines = [f"checked {report.root}"]
-    if report.findings:
+    shown = [f for f in report.findings if verbose or f.severity != INFO]
+    hidden = len(report.findings) - len(shown)
+    if shown:
         done = set(report.repaired)
         rows = [
             (
@@ -153,11 +156,13 @@ def render_check(report: CheckReport, *, fixed: bool) -> str:
                 f.path or "(pool)",
                 _short(f.path, f.message),
             )
-            for f in report.findings
+            for f in shown
         ]
         lines.append(table(("severity", "code", "path", "message"), rows))
+    if hidden:
+        lines.append(f"{hidden} informational note(s); --verbose shows them")
     remaining = report.remaining()
-    repairable = [f for f in remaining if f.severity == "repairable"]
+    repairable = [f for f in remaining if f.severity == REPAIRABLE]
     if report.ok:
         lines.append(
             "ok: " + (f"{len(report.repaired)} finding(s) repaired" if report.repaired else "no problems")
