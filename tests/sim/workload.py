@@ -16,14 +16,23 @@ checked:
 * no task is completed twice, and nothing is accepted that was never submitted;
 * the inputs of unfinished tasks read back (nothing reachable was deleted).
 
-Operations that raised because of the power loss are unknown: either outcome is allowed,
-never half of one. Every source of randomness straw uses (``secrets``) is seeded too, so a
+At other random points one I/O error (``FaultFS.fail_next``: EIO or ENOSPC on a write,
+sync, open, truncate, link, rename, unlink or mkdir) is injected into the next operation.
+If it fires and the operation raises, the error must be straw's (``StorageUnavailable``,
+``QuotaExceeded`` for ENOSPC, ``IndeterminateCommit``, ``UnsafeRecovery``); a publish that
+raised ``IndeterminateCommit`` is retried with the same submission and must return its
+reference (I5); a coordinator that stopped (J3) is closed and reopened with
+``recover=True`` in a fresh object, without a power loss; then the model is checked.
+
+Operations that raised because of a power loss or an injected error are unknown: either
+outcome is allowed, never half of one. Every source of randomness straw uses (``secrets``) is seeded too, so a
 seed replays exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import random
 import secrets
 from collections.abc import Callable, Iterator
@@ -35,7 +44,15 @@ import straw._pack.writer as pack_writer
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw._fs.system import installed
 from straw.backend import FilesystemBackend
-from straw.errors import CorruptData, IdempotencyConflict, LeaseExpired, StaleAttempt
+from straw.errors import (
+    CorruptData,
+    IdempotencyConflict,
+    IndeterminateCommit,
+    LeaseExpired,
+    StaleAttempt,
+    StorageUnavailable,
+    UnsafeRecovery,
+)
 from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef
 from straw.testing import FaultFS
 
@@ -45,6 +62,24 @@ LEASE_SECONDS = 10.0
 # Domain answers a correct run may give: a lease that expired, an attempt revoked, and the
 # completion of a stale attempt under a submission id the task's accepted completion used.
 EXPECTED = (LeaseExpired, StaleAttempt, IdempotencyConflict)
+# What an operation may raise when an injected I/O error fired inside it.
+STORAGE_ERRORS = (StorageUnavailable, IndeterminateCommit, UnsafeRecovery)
+# A3 says a sync after a failed one proves nothing, and FaultFS models that by default. straw
+# does not meet it yet (BUG: tests/regress/test_failed_sync_sticky.py): after a failed catalog
+# sync the next holder re-reads the unsynced frame and chains later frames to it. Until that is
+# fixed the seeded runs use the weaker disk whose next successful sync writes the bytes after all;
+# test_sim.py keeps one strict xfail run with the sticky model.
+STICKY_SYNC_ERRORS = False
+FAULT_WEIGHTS = {
+    "write": 4,
+    "sync": 4,
+    "open": 2,
+    "truncate": 1,
+    "link": 1,
+    "rename": 1,
+    "unlink": 1,
+    "mkdir": 1,
+}
 
 
 def replay_command(seed: int) -> str:
@@ -114,11 +149,13 @@ class SimulationFailure(AssertionError):
 class Simulation:
     """One seeded run (see the module docstring)."""
 
-    def __init__(self, seed: int, steps: int = 150, *, fs: FaultFS | None = None) -> None:
+    def __init__(
+        self, seed: int, steps: int = 150, *, fs: FaultFS | None = None, sticky: bool = STICKY_SYNC_ERRORS
+    ) -> None:
         self.seed = seed
         self.steps = steps
         self.rng = random.Random(seed)
-        self.fs = fs if fs is not None else FaultFS(seed)
+        self.fs = fs if fs is not None else FaultFS(seed, sticky_sync_errors=sticky)
         self.fs.makedirs_durable("/sim")
         self.clock = Clock()
         self.model = Model()
@@ -127,6 +164,8 @@ class Simulation:
         self.coord: Coordinator | None = None
         self.counter = 0
         self.crashes = 0
+        self.errors = 0  # injected I/O errors that fired
+        self.reopened = 0  # coordinators reopened after a fail-stop (J3) without a power loss
 
     # ------------------------------------------------------------------ driver
 
@@ -169,6 +208,8 @@ class Simulation:
             (2, self._complete_held),
             (1, self._advance),
             (1, self._check_live),
+            (1, self._register_checkpoint),
+            (1, self._release_checkpoint),
         ]
         op = self.rng.choices([f for _, f in ops], weights=[w for w, _ in ops])[0]
         roll = self.rng.random()
@@ -177,15 +218,104 @@ class Simulation:
             return
         if roll < 0.12:
             self.fs.fail_after(self.rng.randint(1, 12))
+        elif roll < 0.24 and op not in (self._check_live, self._advance):
+            self.fs.fail_after(None)  # one fault at a time: the error's aftermath runs outside the op
+            self._arm_error()
+        fired = len(self.fs.injected)
+        raised: BaseException | None = None
         try:
             op()
         except EXPECTED as error:
             self._note(f"  -> {type(error).__name__}")
         except BaseException as error:
-            if not self.fs.powered_off:
+            if self.fs.powered_off:
+                self._note(f"  -> power lost inside the operation ({type(error).__name__})")
+                self._crash("power loss inside an operation")
+            elif isinstance(error, STORAGE_ERRORS) and len(self.fs.injected) > fired:
+                raised = error
+            else:
                 raise
-            self._note(f"  -> power lost inside the operation ({type(error).__name__})")
-            self._crash("power loss inside an operation")
+        finally:
+            self.fs.disarm()
+        if len(self.fs.injected) > fired and self.coord is not None:
+            self._after_error(raised)
+
+    # ------------------------------------------------------------------ injected I/O errors
+
+    def _arm_error(self) -> None:
+        kinds = sorted(FAULT_WEIGHTS)
+        kind = self.rng.choices(kinds, weights=[FAULT_WEIGHTS[k] for k in kinds])[0]
+        code = errno.ENOSPC if self.rng.random() < 0.3 else errno.EIO
+        skip = self.rng.randint(0, 6)
+        self._note(f"  (arm {kind} {errno.errorcode[code]} after {skip})")
+        self.fs.fail_next(kind, code, skip=skip)
+
+    def _after_error(self, error: BaseException | None) -> None:
+        """An injected error fired: check what straw raised, reopen a stopped coordinator, check."""
+        self.fs.disarm()
+        if error is not None:
+            self.errors += 1
+            self._note(f"  -> {type(error).__name__} after {self.fs.injected[-1]}: {error}")
+            code = getattr(error.__cause__, "errno", None)
+            if code in (errno.ENOSPC, errno.EDQUOT) and type(error) is StorageUnavailable:
+                self._fail(f"ENOSPC surfaced as StorageUnavailable, not QuotaExceeded: {error}", error)
+        else:
+            self._note(f"  -> returned although {self.fs.injected[-1]}")
+        if "LIVE" in self.fs.injected[-1]:
+            self._replace_writers()
+        coord = self._coord()
+        try:
+            coord.task_status("sim-probe")
+        except UnsafeRecovery:
+            self._note("  coordinator stopped (J3): close, reopen with recover=True")
+            coord.close()
+            self.coord = None
+            self.reopened += 1
+            self.coord = Coordinator(
+                self.stores[2],
+                exclusive_owner="sim",
+                recover=True,
+                clock=self.clock,
+                lease_seconds=LEASE_SECONDS,
+            )
+            self.model.leases.clear()  # recovery revokes every lease (J4.5)
+        self._check()
+
+    def _replace_writers(self) -> None:
+        """Workaround for BUG tests/regress/test_live_lock_transient_error.py: after an error on the
+        ``LIVE`` lock's temporary name a writer cannot publish again (and its ``LIVE`` may be
+        unlocked), so the run replaces both writer stores as a restarted process would; their
+        staging ends with them. Remove once the bug is fixed."""
+        self._note("  BUG workaround: replace the writer stores after a LIVE lock error")
+        for i in range(2):
+            for pub in self.model.pubs:
+                if pub.writer == self.stores[i].writer_id:
+                    pub.staged = False
+            self.stores[i] = SharedFilesystemStore(
+                ROOT,
+                RUN,
+                backend=self._backend(),
+                segment_target_bytes=self.rng.choice((0, 2048)),
+                online_gc=True,
+            )
+
+    def _publish_to(
+        self, store: SharedFilesystemStore, records: list[Record], submission_id: str
+    ) -> RecordSetRef:
+        """Publish; after ``IndeterminateCommit`` the same submission must return the reference (I5)."""
+        try:
+            return store.publish(records, submission_id=submission_id)
+        except IndeterminateCommit as error:
+            if self.fs.powered_off or not self.fs.injected:
+                raise
+            self.fs.disarm()
+            self.errors += 1
+            self._note(f"  -> IndeterminateCommit after {self.fs.injected[-1]}; retry {submission_id}")
+            try:
+                return store.publish(records, submission_id=submission_id)
+            except Exception as retry:
+                self._fail(f"retrying {submission_id} after IndeterminateCommit raised {retry!r}", error)
+                raise
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -274,7 +404,7 @@ class Simulation:
         payload = self._payload()
         name = self._fresh("p")
         self._note(f"publish {name} ({len(payload)} bytes) via {store.writer_id[:6]}")
-        ref = store.publish([Record(name, payload)], submission_id=name)
+        ref = self._publish_to(store, [Record(name, payload)], name)
         self.model.pubs.append(Pub(ref, payload, store.writer_id))
 
     def _retain(self) -> None:
@@ -288,9 +418,10 @@ class Simulation:
         self.model.owners[owner] = chosen
 
     def _release(self) -> None:
-        if not self.model.owners:
+        owners = sorted(k for k in self.model.owners if not k.startswith("ckpt-"))
+        if not owners:
             return
-        owner = self.rng.choice(sorted(self.model.owners))
+        owner = self.rng.choice(owners)
         del self.model.owners[owner]  # no longer required, whatever the call's outcome
         self._note(f"release {owner}")
         self.stores[self.rng.randrange(3)].release(owner)
@@ -372,9 +503,10 @@ class Simulation:
         payload = f"result of {lease.task_id}".encode() + self._payload()
         metadata: dict[str, Any] = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
         store = self._writer()
-        ref = store.publish(
+        ref = self._publish_to(
+            store,
             [Record(f"out-{lease.task_id}", payload, metadata=metadata)],
-            submission_id=f"r-{lease.task_id}-{lease.attempt_id}",
+            f"r-{lease.task_id}-{lease.attempt_id}",
         )
         self._note(f"complete {lease.task_id}")
         self.model.maybe_completed.add(lease.task_id)
@@ -383,6 +515,26 @@ class Simulation:
         )
         self._note(f"  -> position {receipt.position}")
         self.model.receipts[lease.task_id] = (receipt, payload)
+
+    def _register_checkpoint(self) -> None:
+        """A registered checkpoint is a GC root until released (API.md section 7): model it as an owner."""
+        required = self.model.required()
+        if not required:
+            return
+        pub = self.rng.choice(required)
+        checkpoint = self._fresh("ckpt-")
+        self._note(f"register_checkpoint {checkpoint}")
+        self._coord().register_checkpoint(checkpoint, pub.ref)
+        self.model.owners[checkpoint] = [pub]
+
+    def _release_checkpoint(self) -> None:
+        checkpoints = sorted(k for k in self.model.owners if k.startswith("ckpt-"))
+        if not checkpoints:
+            return
+        checkpoint = self.rng.choice(checkpoints)
+        del self.model.owners[checkpoint]  # no longer required, whatever the call's outcome
+        self._note(f"release_checkpoint {checkpoint}")
+        self._coord().release_checkpoint(checkpoint)
 
     def _advance(self) -> None:
         step = self.rng.choice((1.0, 4.0, LEASE_SECONDS + 1))

@@ -187,3 +187,155 @@ def test_straw_primitives_run_on_the_installed_system() -> None:
     assert system.current is before
     fs.crash()
     assert fs.read_bytes("/d/pool/sub/file") == b"hello " + b"world" * 300  # D0 made it durable
+
+
+# -- injected I/O errors (fail_next) ------------------------------------------------------
+
+
+def test_fail_next_rejects_unknown_kinds_and_negative_skips() -> None:
+    fs = fresh(0)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        fs.fail_next("read")
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        fs.fail_next("write", skip=-1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_failed_write_writes_nothing_or_a_prefix_once(seed: int) -> None:
+    fs = fresh(seed, short_write_probability=0.0)
+    fd = fs.open("/d/f", RW, 0o644)
+    fs.fail_next("write", errno.ENOSPC)
+    with pytest.raises(OSError) as caught:
+        fs.pwritev(fd, [b"abcdefgh"], 0)
+    assert caught.value.errno == errno.ENOSPC
+    assert b"abcdefgh".startswith(fs.read_bytes("/d/f"))
+    assert fs.injected[-1].startswith("write: ENOSPC")
+    assert fs.pwritev(fd, [b"abcdefgh"], 0) == 8  # once only
+    assert fs.read_bytes("/d/f") == b"abcdefgh"
+
+
+def test_skip_lets_matching_calls_through_first() -> None:
+    fs = fresh(0, short_write_probability=0.0)
+    fd = fs.open("/d/f", RW, 0o644)
+    fs.fail_next("write", skip=2)
+    fs.pwritev(fd, [b"a"], 0)
+    fs.fdatasync(fd)  # another kind does not count
+    fs.pwritev(fd, [b"b"], 1)
+    with pytest.raises(OSError) as caught:
+        fs.pwritev(fd, [b"c"], 2)
+    assert caught.value.errno == errno.EIO
+    assert not fs.disarm()
+
+
+def test_disarm_and_crash_drop_an_armed_fault() -> None:
+    fs = fresh(0)
+    fs.fail_next("open")
+    assert fs.disarm()
+    fs.close(fs.open("/d/f", W, 0o644))
+    fs.fail_next("open")
+    fs.crash()
+    fs.close(fs.open("/d/g", W, 0o644))
+    assert fs.injected == []
+
+
+@pytest.mark.parametrize("kind", ["open", "unlink", "mkdir", "truncate"])
+def test_failing_calls_change_nothing(kind: str) -> None:
+    fs = fresh(0)
+    fd = durable_file(fs, "/d/f", b"keep")
+    fs.fail_next(kind, errno.EIO)
+    with pytest.raises(OSError) as caught:
+        if kind == "open":
+            fs.open("/d/new", W, 0o644)
+        elif kind == "unlink":
+            fs.unlink("/d/f")
+        elif kind == "mkdir":
+            fs.mkdir("/d/sub")
+        else:
+            fs.ftruncate(fd, 0)
+    assert caught.value.errno == errno.EIO
+    assert sorted(fs.listdir("/d")) == ["f"]
+    assert fs.read_bytes("/d/f") == b"keep"
+
+
+@pytest.mark.parametrize("kind", ["link", "rename"])
+def test_failed_link_or_rename_may_have_happened(kind: str) -> None:
+    outcomes = set()
+    for seed in SEEDS:
+        fs = fresh(seed)
+        durable_file(fs, "/d/src", b"x")
+        fs.fail_next(kind)
+        with pytest.raises(OSError):
+            (fs.link if kind == "link" else fs.rename)("/d/src", "/d/dst")
+        names = tuple(sorted(fs.listdir("/d")))
+        outcomes.add(names)
+        assert fs.read_bytes("/d/" + names[0]) == b"x"
+        fs.crash()  # an unsynced change: the directory holds the old or the new entries
+        assert tuple(sorted(fs.listdir("/d"))) in {("src",), names}
+    changed = ("dst", "src") if kind == "link" else ("dst",)
+    assert outcomes == {("src",), changed}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_failed_sync_leaves_the_writes_unsynced(seed: int) -> None:
+    fs = fresh(seed, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
+    fd = durable_file(fs, "/d/f", b"old!")
+    fs.pwritev(fd, [b"NEW!"], 0)
+    fs.fail_next("sync")
+    with pytest.raises(OSError):
+        fs.fdatasync(fd)
+    assert fs.read_bytes("/d/f") == b"NEW!"  # the page cache still has them (A2)
+    fs.crash()
+    assert fs.read_bytes("/d/f") in (b"old!", b"NEW!")
+
+
+def test_a_later_sync_does_not_vouch_for_a_failed_one() -> None:
+    """A3, sticky: bytes a failed sync left may revert even after a later sync returned."""
+    outcomes = set()
+    for seed in SEEDS:
+        fs = fresh(seed, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
+        fd = durable_file(fs, "/d/f", b"old!old!")
+        fs.pwritev(fd, [b"NEW!"], 0)
+        fs.fail_next("sync")
+        with pytest.raises(OSError):
+            fs.fdatasync(fd)
+        fs.pwritev(fd, [b"late"], 4)  # written after the failure: the next sync makes it durable
+        fs.fdatasync(fd)
+        fs.crash()
+        data = fs.read_bytes("/d/f")
+        assert data[4:] == b"late"
+        outcomes.add(data[:4])
+    assert outcomes == {b"old!", b"NEW!"}
+
+
+def test_a_crash_ends_the_doubt() -> None:
+    fs = fresh(0, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
+    fd = durable_file(fs, "/d/f", b"old!")
+    fs.pwritev(fd, [b"NEW!"], 0)
+    fs.fail_next("sync")
+    with pytest.raises(OSError):
+        fs.fdatasync(fd)
+    fs.crash()
+    after = fs.read_bytes("/d/f")
+    for _ in range(10):
+        fs.crash()
+        assert fs.read_bytes("/d/f") == after
+
+
+def test_straw_maps_injected_errors_to_its_own() -> None:
+    from straw import SharedFilesystemStore
+    from straw.backend import FilesystemBackend
+    from straw.errors import QuotaExceeded, StorageUnavailable
+    from straw.protocol import Record
+
+    fs = fresh(0)
+    with system.installed(fs):
+        backend = FilesystemBackend("/d/pool", sleep=lambda _: None, visibility_delays=())
+        store = SharedFilesystemStore("/d/pool", "run", backend=backend)
+        fs.fail_next("write", errno.ENOSPC)
+        with pytest.raises(QuotaExceeded, match="No space left"):
+            store.publish([Record("a", b"x" * 100)], submission_id="a")
+        fs.fail_next("sync", errno.EIO)
+        with pytest.raises(StorageUnavailable, match="Input/output error"):
+            store.publish([Record("b", b"y" * 100)], submission_id="b")
+        ref = store.publish([Record("c", b"z" * 100)], submission_id="c")  # the store keeps working
+        assert [bytes(r.payload) for r in store.read(ref)] == [b"z" * 100]

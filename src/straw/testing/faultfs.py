@@ -23,9 +23,22 @@ descriptor becomes stale: a later call on it raises ``OSError(EBADF)``,
 closing it does nothing. :meth:`FaultFS.fail_after` turns the n-th mutating
 call into a :class:`SimulatedPowerLoss`, so a crash lands inside an operation.
 
+:meth:`FaultFS.fail_next` makes one chosen primitive raise ``OSError`` once
+(``EIO``, or ``ENOSPC`` for a full disk), as a real disk may:
+
+* ``write``: ``pwritev`` writes nothing or a seeded prefix, then raises;
+* ``sync``: ``fsync``/``fdatasync`` raises and the file's unsynced changes stay
+  unsynced. The failure is sticky (A3: retrying the sync proves nothing): a
+  later successful sync of that file does not make those changes durable; at
+  the next power loss each of them may still revert to the bytes that were
+  durable before, except where a write made after the failure covered them
+  (``sticky_sync_errors=False``: the next successful sync makes them durable);
+* ``open``, ``truncate``, ``unlink``, ``mkdir``: raises, nothing changed;
+* ``link``, ``rename``: raises; with even odds the change was made first (in
+  the page cache, unsynced), as an error after the operation reached the disk.
+
 Not modelled: several machines (one page cache only), crashes that reorder
-synced data, failed syncs (EIO), a full disk, bit rot of synced bytes, and
-permissions.
+synced data, a disk that stays full, bit rot of synced bytes, and permissions.
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ SECTOR_BYTES = 512
 #: Fake descriptors start here so that a stray real ``os`` call on one fails (EBADF).
 FIRST_FD = 1 << 20
 _ACCESS = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+#: The primitives :meth:`FaultFS.fail_next` can make fail.
+FAULT_KINDS = ("open", "write", "sync", "truncate", "link", "rename", "unlink", "mkdir")
 
 
 class SimulatedPowerLoss(BaseException):
@@ -67,6 +82,11 @@ class _File:
     synced: bytes = b""
     # Changes since the last sync, in order: (offset, bytes) for a write, an int for a truncate.
     pending: list[tuple[int, bytes] | int] = field(default_factory=list)
+    # A3: writes left unsynced by a failed sync, the durable image they may revert to, and the
+    # ranges written since the failure (those are certain once a later sync succeeds).
+    doubtful: list[tuple[int, bytes]] = field(default_factory=list)
+    doubt_base: bytes = b""
+    since_doubt: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -78,11 +98,20 @@ class _Dir:
     pending: list[dict[str, _File | _Dir | None]] = field(default_factory=list)
 
 
+@dataclass
+class _Fault:
+    kind: str
+    code: int
+    skip: int
+    path: str | None
+
+
 @dataclass(eq=False)
 class _Handle:
     node: _File | _Dir
     readable: bool
     writable: bool
+    path: str
 
 
 def _error(code: int, path: str | None = None) -> OSError:
@@ -101,12 +130,16 @@ class FaultFS:
         garble_probability: float = 0.25,
         tear_probability: float = 0.5,
         short_write_probability: float = 0.05,
+        sticky_sync_errors: bool = True,
     ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.garble_probability = garble_probability
         self.tear_probability = tear_probability
         self.short_write_probability = short_write_probability
+        #: A3 as written: a later sync does not vouch for what a failed one left (module docs).
+        #: False models a kernel whose next successful sync writes those bytes after all.
+        self.sticky_sync_errors = sticky_sync_errors
         self.root = _Dir()
         self._fds: dict[int, _Handle] = {}
         self._next_fd = FIRST_FD
@@ -119,6 +152,9 @@ class FaultFS:
         self.crashes = 0
         #: What the last crash did, for failure messages: per path, "kept k of n", "torn", "garbled".
         self.last_crash: list[str] = []
+        self._fault: _Fault | None = None
+        #: Every error :meth:`fail_next` injected so far: "kind: errno name on path".
+        self.injected: list[str] = []
 
     # -- fault control ---------------------------------------------------------------
 
@@ -127,6 +163,42 @@ class FaultFS:
         if calls is not None and calls < 1:
             raise ValueError(f"calls must be >= 1, got {calls}")
         self._countdown = calls
+
+    def fail_next(self, kind: str, code: int = errno.EIO, *, skip: int = 0, path: str | None = None) -> None:
+        """Make the next ``kind`` call (after ``skip`` others) raise ``OSError(code)`` once (module docs).
+
+        With ``path``, only calls on that path count (for descriptors: the path they were
+        opened by; for rename and link: the target). One fault is armed at a time; arming
+        replaces it. :meth:`crash` disarms it.
+        """
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"kind must be one of {FAULT_KINDS}, got {kind!r}")
+        if skip < 0:
+            raise ValueError(f"skip must be >= 0, got {skip}")
+        self._fault = _Fault(kind, code, skip, None if path is None else os.path.normpath(path))
+
+    def disarm(self) -> bool:
+        """Drop the armed fault; True if one was armed and had not fired."""
+        armed = self._fault is not None
+        self._fault = None
+        return armed
+
+    def _fires(self, kind: str, path: str) -> int | None:
+        """The errno to raise if the armed fault fires at this ``kind`` call on ``path``, else None."""
+        fault = self._fault
+        if fault is None or fault.kind != kind:
+            return None
+        if fault.path is not None and fault.path != os.path.normpath(path):
+            return None
+        if fault.skip > 0:
+            fault.skip -= 1
+            return None
+        self._fault = None
+        return fault.code
+
+    def _injected(self, kind: str, code: int, path: str, note: str = "", *, named: bool = True) -> OSError:
+        self.injected.append(f"{kind}: {errno.errorcode.get(code, code)} on {path}{note}")
+        return _error(code, path if named else None)
 
     def _mutate(self) -> None:
         self._alive()
@@ -157,6 +229,7 @@ class FaultFS:
         self._locks.clear()
         self._stale_below = self._next_fd
         self._countdown = None
+        self._fault = None
         self.powered_off = False
 
     def _collect(
@@ -187,6 +260,8 @@ class FaultFS:
                 files.append((child, node))
 
     def _crash_file(self, path: str, node: _File) -> None:
+        if node.doubtful:
+            self._revert_doubtful(path, node)
         if not node.pending:
             node.data = bytearray(node.synced)
             return
@@ -217,6 +292,23 @@ class FaultFS:
         node.synced = bytes(image)
         node.pending = []
         self.last_crash.append(note)
+
+    def _revert_doubtful(self, path: str, node: _File) -> None:
+        """A3: changes a failed sync left behind may revert in the durable image, unless rewritten."""
+        image = bytearray(node.synced)
+        reverted = 0
+        for offset, data in node.doubtful:
+            if self.rng.random() < 0.5:
+                continue
+            reverted += 1
+            for i in range(offset, min(offset + len(data), len(image))):
+                if not any(start <= i < end for start, end in node.since_doubt):
+                    image[i] = node.doubt_base[i] if i < len(node.doubt_base) else 0
+        self.last_crash.append(f"{path}: {reverted} of {len(node.doubtful)} writes of a failed sync reverted")
+        node.synced = bytes(image)
+        node.doubtful = []
+        node.since_doubt = []
+        node.doubt_base = b""
 
     def _crash_dir(self, path: str, directory: _Dir) -> None:
         entries = dict(directory.synced)
@@ -286,6 +378,9 @@ class FaultFS:
 
     def open(self, path: str, flags: int, mode: int = 0o777, /) -> int:
         self._alive()
+        code = self._fires("open", path)
+        if code is not None:
+            raise self._injected("open", code, path)
         access = flags & _ACCESS
         try:
             node = self._lookup(path)
@@ -309,7 +404,7 @@ class FaultFS:
                 node.pending.append(0)
         fd = self._next_fd
         self._next_fd += 1
-        self._fds[fd] = _Handle(node, access != os.O_WRONLY, access != os.O_RDONLY)
+        self._fds[fd] = _Handle(node, access != os.O_WRONLY, access != os.O_RDONLY, os.path.normpath(path))
         return fd
 
     def close(self, fd: int, /) -> None:
@@ -327,11 +422,23 @@ class FaultFS:
         data = b"".join(bytes(b) for b in buffers)
         if len(data) > 1 and self.rng.random() < self.short_write_probability:
             data = data[: self.rng.randrange(1, len(data))]  # a legal short write: callers resume
+        code = self._fires("write", self._fds[fd].path)
+        if code is not None:
+            data = data[: self.rng.randrange(len(data) + 1)] if self.rng.random() < 0.5 else b""
+            if data:
+                self._mutate()
+                self._record_write(node, (offset, data))
+            raise self._injected("write", code, self._fds[fd].path, f" after {len(data)} bytes", named=False)
         self._mutate()
-        change = (offset, data)
+        self._record_write(node, (offset, data))
+        return len(data)
+
+    @staticmethod
+    def _record_write(node: _File, change: tuple[int, bytes]) -> None:
         _apply(node.data, change)
         node.pending.append(change)
-        return len(data)
+        if node.doubtful:
+            node.since_doubt.append((change[0], change[0] + len(change[1])))
 
     def pread(self, fd: int, size: int, offset: int, /) -> bytes:
         node = self._file(fd, write=False)
@@ -353,7 +460,15 @@ class FaultFS:
         self.fsync(fd)
 
     def fsync(self, fd: int, /) -> None:
-        node = self._handle(fd).node
+        handle = self._handle(fd)
+        node = handle.node
+        code = self._fires("sync", handle.path)
+        if code is not None:
+            if self.sticky_sync_errors and isinstance(node, _File) and node.pending:
+                if not node.doubtful:
+                    node.doubt_base = node.synced
+                node.doubtful.extend(c for c in node.pending if isinstance(c, tuple) and c[1])
+            raise self._injected("sync", code, handle.path, named=False)
         self._mutate()
         if isinstance(node, _File):
             node.synced = bytes(node.data)
@@ -365,6 +480,9 @@ class FaultFS:
         node = self._file(fd, write=True)
         if size < 0:
             raise _error(errno.EINVAL)
+        code = self._fires("truncate", self._fds[fd].path)
+        if code is not None:
+            raise self._injected("truncate", code, self._fds[fd].path, named=False)
         self._mutate()
         _apply(node.data, size)
         node.pending.append(size)
@@ -401,12 +519,17 @@ class FaultFS:
             return
         if isinstance(existing, _Dir) or (existing is not None and isinstance(node, _Dir)):
             raise _error(errno.EISDIR, target)
+        code = self._fires("rename", target)
+        if code is not None and self.rng.random() < 0.5:
+            raise self._injected("rename", code, target, " (not renamed)")
         self._mutate()
         if source_dir is target_dir:
             self._change(source_dir, {source_name: None, target_name: node})
         else:
             self._change(target_dir, {target_name: node})
             self._change(source_dir, {source_name: None})
+        if code is not None:
+            raise self._injected("rename", code, target, " (renamed)")
 
     def link(self, source: str, target: str, /) -> None:
         self._alive()
@@ -416,8 +539,13 @@ class FaultFS:
         directory, name = self._parent(target)
         if name in directory.entries:
             raise _error(errno.EEXIST, target)
+        code = self._fires("link", target)
+        if code is not None and self.rng.random() < 0.5:
+            raise self._injected("link", code, target, " (not linked)")
         self._mutate()
         self._change(directory, {name: node})
+        if code is not None:
+            raise self._injected("link", code, target, " (linked)")
 
     def unlink(self, path: str, /) -> None:
         self._alive()
@@ -425,6 +553,9 @@ class FaultFS:
         if isinstance(node, _Dir):
             raise _error(errno.EISDIR, path)
         directory, name = self._parent(path)
+        code = self._fires("unlink", path)
+        if code is not None:
+            raise self._injected("unlink", code, path)
         self._mutate()
         self._change(directory, {name: None})
 
@@ -433,6 +564,9 @@ class FaultFS:
         directory, name = self._parent(path)
         if name in directory.entries:
             raise _error(errno.EEXIST, path)
+        code = self._fires("mkdir", path)
+        if code is not None:
+            raise self._injected("mkdir", code, path)
         self._mutate()
         self._change(directory, {name: _Dir()})
 
