@@ -137,7 +137,7 @@ def recovery(root: str, completed: int) -> list[dict[str, float]]:
             work_s = time.perf_counter() - t0
             journal = queue.metrics()["journal_bytes"]
             # Simulate a crash (no close(), so no final snapshot): drop the lock and the fd.
-            queue._journal.close()
+            queue._journal.abandon()
             coordinator_module.lock.unlock(queue._lock_fd)
             t0 = time.perf_counter()
             reopened = Coordinator(store, exclusive_owner="bench", recover=True, lease_seconds=3600)

@@ -83,7 +83,7 @@ def crash(coordinator: Coordinator) -> None:
     The journal descriptor is closed without writing anything more and the queue
     lock is released, exactly what the kernel does when the holder dies.
     """
-    coordinator._journal.close()
+    coordinator._journal.abandon()
     lock.unlock(coordinator._lock_fd)
     coordinator._closed = True  # the dead object must not be used (or closed) again
 

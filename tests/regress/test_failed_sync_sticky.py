@@ -55,7 +55,6 @@ def _run(seed: int) -> None:
         assert [bytes(r.payload) for r in reopened.read(ref)] == [b"x" * 64]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: catalog appends chain onto a frame whose sync failed (A3)")
 def test_catalog_survives_a_crash_after_a_failed_sync() -> None:
     for seed in range(16):
         _run(seed)

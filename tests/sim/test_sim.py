@@ -36,10 +36,6 @@ def test_sim_many_seeds(seed: int) -> None:
     Simulation(seed).run()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a sync after a failed one is trusted (A3); tests/regress/test_failed_sync_sticky.py",
-)
 @pytest.mark.parametrize("seed", [3, 37])
 def test_sim_with_sticky_sync_errors(seed: int) -> None:
     """FaultFS's A3 model as DURABILITY.md states it.

@@ -64,12 +64,8 @@ LEASE_SECONDS = 10.0
 EXPECTED = (LeaseExpired, StaleAttempt, IdempotencyConflict)
 # What an operation may raise when an injected I/O error fired inside it.
 STORAGE_ERRORS = (StorageUnavailable, IndeterminateCommit, UnsafeRecovery)
-# A3 says a sync after a failed one proves nothing, and FaultFS models that by default. straw
-# does not meet it yet (BUG: tests/regress/test_failed_sync_sticky.py): after a failed catalog
-# sync the next holder re-reads the unsynced frame and chains later frames to it. Until that is
-# fixed the seeded runs use the weaker disk whose next successful sync writes the bytes after all;
-# test_sim.py keeps one strict xfail run with the sticky model.
-STICKY_SYNC_ERRORS = False
+# A3: a sync after a failed one proves nothing; FaultFS models exactly that (sticky sync errors).
+STICKY_SYNC_ERRORS = True
 FAULT_WEIGHTS = {
     "write": 4,
     "sync": 4,
@@ -261,8 +257,6 @@ class Simulation:
                 self._fail(f"ENOSPC surfaced as StorageUnavailable, not QuotaExceeded: {error}", error)
         else:
             self._note(f"  -> returned although {self.fs.injected[-1]}")
-        if "LIVE" in self.fs.injected[-1]:
-            self._replace_writers()
         coord = self._coord()
         try:
             coord.task_status("sim-probe")
@@ -280,24 +274,6 @@ class Simulation:
             )
             self.model.leases.clear()  # recovery revokes every lease (J4.5)
         self._check()
-
-    def _replace_writers(self) -> None:
-        """Workaround for BUG tests/regress/test_live_lock_transient_error.py: after an error on the
-        ``LIVE`` lock's temporary name a writer cannot publish again (and its ``LIVE`` may be
-        unlocked), so the run replaces both writer stores as a restarted process would; their
-        staging ends with them. Remove once the bug is fixed."""
-        self._note("  BUG workaround: replace the writer stores after a LIVE lock error")
-        for i in range(2):
-            for pub in self.model.pubs:
-                if pub.writer == self.stores[i].writer_id:
-                    pub.staged = False
-            self.stores[i] = SharedFilesystemStore(
-                ROOT,
-                RUN,
-                backend=self._backend(),
-                segment_target_bytes=self.rng.choice((0, 2048)),
-                online_gc=True,
-            )
 
     def _publish_to(
         self, store: SharedFilesystemStore, records: list[Record], submission_id: str

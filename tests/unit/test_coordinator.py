@@ -1245,6 +1245,8 @@ def test_i8_a_fault_at_any_journal_phase_loses_nothing_acknowledged_and_half_app
     assert again.commits[0] == dataclasses.asdict(acked)
     assert tasks["a"] == before["a"] and tasks["c"]["state"] == "pending"
     present = PRESENT[phase]
+    if phase == "after_journal_append" and release == "close":
+        present = False  # J3.1: closing the stopped coordinator cuts the unacknowledged frame
     if call == "complete":
         receipt = again.lookup_submission("sub-b")
         if present:

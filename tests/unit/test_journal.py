@@ -551,7 +551,7 @@ def test_j2_4_a_second_batch_is_synced_while_the_first_sync_is_still_running(tmp
     backend = FilesystemBackend(tmp_path)
     journal = open_journal(tmp_path, backend=backend)
     journal.start_segment()
-    first_entered, release_first = threading.Event(), threading.Event()
+    first_entered, release_first, second_synced = threading.Event(), threading.Event(), threading.Event()
     real_sync = backend.sync_file
     calls = [0]
 
@@ -561,6 +561,8 @@ def test_j2_4_a_second_batch_is_synced_while_the_first_sync_is_still_running(tmp
             first_entered.set()
             assert release_first.wait(30), "the test never released the first sync"
         real_sync(fd)
+        if calls[0] == 2:
+            second_synced.set()
 
     backend.sync_file = sync_file  # type: ignore[method-assign]
     first = journal.append(b"first batch")
@@ -568,17 +570,64 @@ def test_j2_4_a_second_batch_is_synced_while_the_first_sync_is_still_running(tmp
     leader.start()
     assert first_entered.wait(30)
     second = journal.append(b"second batch")
-    # Returns although the first sync is still held: its own sync started after the first
-    # batch was written, so it makes both batches durable (the durable mark covers both).
-    journal.wait(second)
-    assert not release_first.is_set() and calls[0] == 2
+    follower = threading.Thread(target=journal.wait, args=(second,))
+    follower.start()
+    # The second batch is written and synced while the first sync is still held (overlap)...
+    assert second_synced.wait(30)
+    # ...but acknowledged only in write order, once the first batch's sync returned (A3).
+    assert follower.is_alive() and journal._durable == 0
     release_first.set()
     leader.join(30)
-    assert not leader.is_alive()
+    follower.join(30)
+    assert not leader.is_alive() and not follower.is_alive()
     journal.close()
     assert journal.metrics["syncs"] == 2
     applied, _, _ = replay(tmp_path)
     assert [body for _, body in applied] == [b"first batch", b"second batch"]
+
+
+def test_j3_after_a_failed_sync_no_later_sync_acknowledges_and_close_cuts_the_rest(tmp_path: Path) -> None:
+    backend = FilesystemBackend(tmp_path)
+    journal = open_journal(tmp_path, backend=backend)
+    journal.start_segment()
+    journal.wait(journal.append(b"durable"))
+    durable_end = journal._offset
+    first_entered, second_synced = threading.Event(), threading.Event()
+    real_sync = backend.sync_file
+    calls = [0]
+
+    def sync_file(fd: int) -> None:
+        calls[0] += 1
+        if calls[0] == 1:  # the first batch's sync fails, after the second batch's sync returned
+            first_entered.set()
+            assert second_synced.wait(30), "the second sync never ran"
+            raise OSError(5, "injected: first sync failed")
+        real_sync(fd)
+        second_synced.set()
+
+    backend.sync_file = sync_file  # type: ignore[method-assign]
+    outcomes: list[str] = []
+
+    def leader() -> None:
+        with pytest.raises(OSError, match="first sync failed"):
+            journal.wait(journal.append(b"first batch"))
+        outcomes.append("first refused")
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    assert first_entered.wait(30)
+    # The second batch's own sync returns, but under A3 it proves nothing about the first
+    # batch's bytes: it is acknowledged only after the first batch's sync, which fails.
+    with pytest.raises(UnsafeRecovery):
+        journal.wait(journal.append(b"second batch"))
+    thread.join(30)
+    assert outcomes == ["first refused"] and calls[0] == 2
+    journal.close()
+    # J3.1: the close cut both unacknowledged batches back out, durably.
+    segment = next((tmp_path / "queue" / "wal").iterdir())
+    assert segment.stat().st_size == durable_end
+    applied, _, _ = replay(tmp_path)
+    assert [body for _, body in applied] == [b"durable"]
 
 
 def test_i8_group_commit_shares_syncs_and_returns_only_when_durable(tmp_path: Path) -> None:

@@ -153,7 +153,7 @@ class Pool:
     def crash(self) -> None:
         """Drop the coordinator as a killed process would: no snapshot, lock released by the kernel."""
         queue = self.queue
-        queue._journal.close()
+        queue._journal.abandon()
         lock.unlock(queue._lock_fd)
         queue._closed = True
 

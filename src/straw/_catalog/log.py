@@ -215,8 +215,13 @@ class Catalog:
             self.backend.sync_file(fd)
             self.backend.fault("after_catalog_sync")
         except BaseException:
-            # The tail is unknown (A3): forget this view; the next section reloads from disk
-            # and the lock holder then cuts or keeps the frame (retains too much, never too little).
+            # The tail is unknown (A3): a later sync would prove nothing about it, so no frame
+            # may ever chain onto it. Cut it while the lock is still held (G3.4): once the cut is
+            # synced the frame is durably absent. If even that fails, forget this view; the next
+            # section reloads from disk (retains too much, never too little).
+            with contextlib.suppress(OSError):
+                posix.truncate(fd, self._offset)
+                self.backend.sync_file(fd)
             self._reset()
             raise
         finally:

@@ -8,6 +8,7 @@ holder dies, which is what makes ``recover=True`` possible after a crash.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 
@@ -66,10 +67,30 @@ def create_locked(path: str) -> int:
     fd = fs.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
     try:
         fs.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fs.link(temp, path)
+        _link(fs, temp, path)
     except BaseException:
         fs.close(fd)
-        fs.unlink(temp)
+        with contextlib.suppress(OSError):
+            fs.unlink(temp)
         raise
-    fs.unlink(temp)
+    # The lock is in place under its name; a temporary name left behind by a failed unlink is
+    # harmless (collection removes a dead writer's temporary files, FORMAT.md section 1).
+    with contextlib.suppress(OSError):
+        fs.unlink(temp)
     return fd
+
+
+def _link(fs: _system.System, temp: str, path: str) -> None:
+    """Link ``temp`` to ``path``; an error after the link was made still counts as made.
+
+    A link can fail after the directory changed (an I/O error on the way back). Only this
+    writer ever names ``path`` (A4: one writer per directory), so if it exists it is ours,
+    and it refers to the descriptor we hold locked.
+    """
+    try:
+        fs.link(temp, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if not fs.exists(path):
+            raise

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .._fs import durable, posix
 from ..backend import FilesystemBackend
@@ -68,10 +70,14 @@ class Journal:
         self._next_seq = 1
         self._chain = frame.genesis_chain(tag)
         self._durable = 0
+        self._durable_end = 0  # the segment offset just past the last durable frame
         self._written = 0  # the last frame written to the file (durable once a later sync returns)
         self._pending: list[bytes] = []
         self._writing = False  # one batch is written at a time, in sequence order
         self._syncing = 0  # syncs in flight (at most JOURNAL_SYNCS_IN_FLIGHT)
+        # Written batches in order, as [last seq, end offset, synced]: one is durable only once
+        # it and every batch before it synced (A3: a later sync proves nothing about earlier bytes).
+        self._inflight: deque[list[Any]] = deque()
         self._failed: BaseException | None = None
         self.segment_first_seq = 1
         self._allocated = 0
@@ -234,21 +240,34 @@ class Journal:
             posix.truncate(old, old_end)
             self.backend.sync_file(old)
         self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
+        self._durable_end = frame.SEGMENT_HEADER_BYTES
         self._allocated = frame.SEGMENT_HEADER_BYTES + JOURNAL_PREALLOC_BYTES
         self.segment_first_seq = first
         if old >= 0:
             posix.close_quietly(old)
+
+    def abandon(self) -> None:
+        """Close the descriptor and write nothing more: what the kernel does when a process dies."""
+        if self._fd >= 0:
+            posix.close_quietly(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         """Close the segment; a clean close cuts the zero-filled space after the last frame."""
         self._quiesce()
         if self._fd >= 0:
             try:
-                if self._failed is None and not self._pending and self._allocated > self._offset:
+                if self._failed is not None:
+                    # J3.1: frames past the last durable one were never acknowledged, and after
+                    # a failed write or sync no later sync proves them durable (A3). Cut them, so
+                    # a recovery in this boot does not build on bytes a power loss may revert.
+                    posix.truncate(self._fd, self._durable_end)
+                    self.backend.sync_file(self._fd)
+                elif not self._pending and self._allocated > self._offset:
                     posix.truncate(self._fd, self._offset)
                     self.backend.sync_file(self._fd)
             except OSError:
-                pass  # the zeros stay: recovery cuts them (J4.3)
+                pass  # the zeros (or the unacknowledged frames) stay: recovery decides (J4.3)
             finally:
                 posix.close_quietly(self._fd)
                 self._fd = -1
@@ -289,8 +308,9 @@ class Journal:
         """J2.2 for one batch: write the pending frames, then sync them (the caller holds ``_cv``).
 
         Writes are serial, syncs overlap (J2.4): a batch may be written and synced while the
-        previous batch's sync is still running. A sync that returns makes durable every frame
-        written before it started, so the durable mark only moves forward, to that batch's end.
+        previous batch's sync is still running. The durable mark moves in write order only: a
+        batch whose sync returned first still waits for the earlier batch's sync, and once any
+        batch fails nothing after it is acknowledged (A3, J3).
         """
         self._writing = True
         # Let threads that are about to append join this batch (one scheduler yield, no sleep).
@@ -308,31 +328,40 @@ class Journal:
             error = caught
         self._cv.acquire()
         self._writing = False
+        entry = [last, offset + written, False]
         if error is None:
             self._offset = offset + written
             self._written = last
             self.bytes_since_snapshot += written
             self._syncing += 1
+            self._inflight.append(entry)
         if error is not None or self._pending:
             # Frames queued during the write may lead the next batch now (J2.4); waiters whose
             # frames were just written need this batch's sync, so they are woken after it.
             self._cv.notify_all()
         if error is None:
             self._cv.release()
+            synced = False
             try:
                 self.backend.sync_file(fd)
+                synced = True
                 self.backend.fault("after_journal_sync")
             except BaseException as caught:
                 error = caught
             finally:
                 self._cv.acquire()
                 self._syncing -= 1
+                # Durable even if something failed after the sync returned (J3 still stops),
+                # but only in write order: a batch waits for every earlier batch's sync.
+                entry[2] = synced
+                while self._inflight and self._inflight[0][2] and self._failed is None:
+                    done_last, done_end, _ = self._inflight.popleft()
+                    self._durable, self._durable_end = done_last, done_end
                 self._cv.notify_all()
         if error is not None:
             # J3: after a failed journal write or sync the file's state is unknown; stop (fail-stop).
             self._failed = error
             raise error
-        self._durable = max(self._durable, last)
         self.metrics["syncs"] += 1
         self.metrics["batches"] += 1
 
