@@ -38,10 +38,11 @@ def test_sim_many_seeds(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", [3, 37])
 def test_sim_with_sticky_sync_errors(seed: int) -> None:
-    """FaultFS's A3 model as DURABILITY.md states it.
+    """Regression seeds for A3 (sticky sync errors), kept even if the default model changes.
 
-    Seed 3: a journal sync fails, the coordinator is reopened in the same boot (J4.3 syncs the
-    replayed segment, which proves nothing), a power loss reverts the frames and the next
-    segment "does not continue the previous segment". Seed 37: the same for the catalog log (G3).
+    Seed 3 once failed: a journal sync failed, the coordinator was reopened in the same boot
+    (J4.3 synced the replayed segment, which proves nothing), a power loss reverted the frames
+    and the next segment "did not continue the previous segment". Seed 37: the same for the
+    catalog log (G3). Fixed by J3.1 and the G3 cut (DURABILITY.md).
     """
     Simulation(seed, sticky=True).run()
