@@ -44,6 +44,7 @@ from straw.protocol import (
     CommitPage,
     CommitReceipt,
     Lease,
+    SegmentRef,
     decode,
     digest,
     encode,
@@ -1420,3 +1421,19 @@ def test_a_failed_recovery_releases_the_queue_and_the_next_recovery_keeps_everyt
     assert again.commits == [dataclasses.asdict(receipt)]
     assert states(again) == {"a": "completed", "b": "pending"}
     assert again.task_status("b")["failures"] == 1  # type: ignore[index]  # revoked exactly once
+
+
+def test_read_commits_pages_equal_validated_receipts_before_and_after_a_snapshot(make: Any) -> None:
+    coord = make()
+    coord.submit_tasks("r", [TaskSpec(t) for t in ("a", "b", "c", "d")])
+    accepted = [finish(coord, take(coord, t), f"sub-{t}") for t in ("a", "b")]
+    coord.close()  # writes a snapshot: its accepted log is reloaded as packed rows
+    again = make(recover=True)
+    accepted += [finish(again, take(again, t), f"sub-{t}") for t in ("c", "d")]
+    page = again.read_commits(0, 10)
+    # Paging builds receipts without re-validating them; they must equal validated ones.
+    assert page.commits == tuple(accepted)
+    assert page.commits == tuple(CommitReceipt.from_dict(c) for c in again.commits)
+    assert len({hash(c) for c in page.commits}) == 4
+    assert [type(c.result_ref.manifest.segment) for c in page.commits] == [SegmentRef] * 4
+    assert again.read_commits(3, 10).commits == (accepted[3],)
