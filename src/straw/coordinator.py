@@ -10,7 +10,6 @@ second one, in any process or on any client of a shared mount, is refused.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 import os
@@ -20,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
@@ -47,9 +46,7 @@ from .protocol import (
     Lease,
     Limits,
     Record,
-    RecordRef,
     RecordSetRef,
-    SegmentRef,
     TaskSpec,
     as_dict,
     decode,
@@ -59,8 +56,6 @@ from .protocol import (
 from .store import SharedFilesystemStore
 
 __all__ = ["Coordinator"]
-
-T = TypeVar("T")
 
 IDENTITY_FILE = "queue.json"
 #: The consumer whose progress acknowledges accepted results for GC (API.md section 7).
@@ -83,30 +78,6 @@ def _text(value: object, what: str) -> str:
     if len(value.encode("utf-8")) > QUEUE_ID_BYTES_MAX:
         raise ValueError(f"{what} is longer than {QUEUE_ID_BYTES_MAX} bytes")
     return value
-
-
-_SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(SegmentRef))
-_SET_FIELDS = ("digest", "records", "payload_bytes", "tokens")
-_RECEIPT_FIELDS = ("commit_id", "task_id", "submission_id", "digest", "position")
-
-
-def _trusted(cls: type[T], values: dict[str, Any]) -> T:
-    """A frozen protocol object from values straw itself checked before journaling them."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(values)
-    return obj
-
-
-def _trusted_receipt(data: Mapping[str, Any]) -> CommitReceipt:
-    """A receipt read back from the accepted log (its fields were validated when it was accepted):
-    paging through the log builds these by the thousand, so validation is not repeated."""
-    ref = data["result_ref"]
-    if not isinstance(ref, RecordSetRef):
-        manifest = ref["manifest"]
-        segment = _trusted(SegmentRef, {name: manifest["segment"][name] for name in _SEGMENT_FIELDS})
-        record = _trusted(RecordRef, {"segment": segment, "ordinal": manifest["ordinal"]})
-        ref = _trusted(RecordSetRef, {"manifest": record, **{name: ref[name] for name in _SET_FIELDS}})
-    return _trusted(CommitReceipt, {**{name: data[name] for name in _RECEIPT_FIELDS}, "result_ref": ref})
 
 
 def queue_owner(run_id: str, relative_directory: str) -> str:
@@ -531,7 +502,7 @@ class Coordinator:
             return page, state.drained_input() and cursor + len(page) >= len(state.commits)
 
         page, done = self._query(read)
-        return CommitPage(tuple(_trusted_receipt(c) for c in page), cursor + len(page), done)
+        return CommitPage(tuple(CommitReceipt.from_journal(c) for c in page), cursor + len(page), done)
 
     # ------------------------------------------------------------------ reads and workers
 

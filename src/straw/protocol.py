@@ -14,7 +14,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .errors import CorruptData, InvalidReference
 
@@ -41,6 +41,7 @@ __all__ = [
 #: Checksum algorithm named by every reference this version writes (docs/FORMAT.md).
 CHECKSUM_ALGORITHM = "xxh3-128"
 
+T = TypeVar("T")
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -71,8 +72,6 @@ def _canonical_encoder() -> Callable[[Any], str]:
     c_encoder = make(None, _plain, json.encoder.encode_basestring, None, ":", ",", True, False, False)
 
     def run(value: Any) -> str:
-        if isinstance(value, str):
-            return str(json.encoder.encode_basestring(value))
         return "".join(c_encoder(value, 0))
 
     return run
@@ -390,6 +389,19 @@ class AcquireResult:
     assignments: tuple[Assignment, ...] = ()
 
 
+def unchecked(cls: type[T], values: Mapping[str, Any]) -> T:
+    """A frozen protocol object built from values straw itself checked before it journaled them
+    (recovery and paging rebuild these by the thousand): no ``__init__``, no validation."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
+_SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(SegmentRef))
+_SET_FIELDS = ("digest", "records", "payload_bytes", "tokens")
+_RECEIPT_FIELDS = ("commit_id", "task_id", "submission_id", "digest", "position")
+
+
 @dataclass(frozen=True)
 class CommitReceipt:
     """Proof that a task's result was accepted at a position of the accepted log."""
@@ -408,6 +420,18 @@ class CommitReceipt:
         if not isinstance(ref, RecordSetRef):
             values["result_ref"] = RecordSetRef.from_dict(ref)
         return cls(**values)
+
+    @classmethod
+    def from_journal(cls, data: Mapping[str, Any]) -> CommitReceipt:
+        """A receipt read back from straw's own accepted log, whose fields were validated when it
+        was accepted: paging builds these by the thousand, so the checks are not repeated."""
+        ref = data["result_ref"]
+        if not isinstance(ref, RecordSetRef):
+            manifest = ref["manifest"]
+            segment = unchecked(SegmentRef, {name: manifest["segment"][name] for name in _SEGMENT_FIELDS})
+            record = unchecked(RecordRef, {"segment": segment, "ordinal": manifest["ordinal"]})
+            ref = unchecked(RecordSetRef, {"manifest": record, **{name: ref[name] for name in _SET_FIELDS}})
+        return unchecked(cls, {**{name: data[name] for name in _RECEIPT_FIELDS}, "result_ref": ref})
 
 
 @dataclass(frozen=True)

@@ -422,7 +422,7 @@ class SharedFilesystemStore:
         marker = os.path.join(root, POOL_MARKER)
         try:
             parent = os.path.dirname(root)
-            posix.makedirs(parent)
+            durable.make_dirs(parent, "", None)  # above the pool: not ours to sync
             durable.make_dirs(root, parent, self.backend.sync_dir)
             if not posix.exists(marker):
                 durable.create_file(

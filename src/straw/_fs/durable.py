@@ -57,15 +57,16 @@ def create_file(path: str, chunks: Sequence[posix.Buffer], sync_file: Sync, sync
     return created
 
 
-def make_dirs(path: str, stop: str, sync_dir: SyncDir) -> None:
-    """Create ``path`` and missing parents below ``stop``, syncing each parent that gained an entry."""
+def make_dirs(path: str, stop: str, sync_dir: SyncDir | None) -> None:
+    """Create ``path`` and missing parents below ``stop``, syncing each parent that gained an entry
+    (``sync_dir=None``: directories outside the pool, created without syncs)."""
     missing: list[str] = []
     current = path
     while current != stop and not posix.isdir(current):
         missing.append(current)
         current = os.path.dirname(current)
     for directory in reversed(missing):
-        if posix.mkdir_new(directory):
+        if posix.mkdir_new(directory) and sync_dir is not None:
             sync_dir(os.path.dirname(directory))
 
 

@@ -251,17 +251,3 @@ def read_file(path: str, limit: int | None = None) -> bytes:
         return bytes(pread_exact(fd, size, 0))
     finally:
         fs.close(fd)
-
-
-def makedirs(path: str) -> None:
-    """Create ``path`` and its missing parents (not synced: for directories outside the pool)."""
-    missing: list[str] = []
-    current = path
-    while current and not isdir(current):
-        missing.append(current)
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    for directory in reversed(missing):
-        mkdir_new(directory)

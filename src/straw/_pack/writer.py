@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
@@ -74,6 +75,18 @@ SealHook = Callable[[str, dict[int, list[int]]], None]
 LIVE_FILE = "LIVE"
 
 
+class _Layout(NamedTuple):
+    """One extent laid out at an offset: its buffers, where its index frame lies, and the index
+    entries (shared with this process's readers once the extent is durable, reader.py)."""
+
+    buffers: list[posix.Buffer]
+    index_offset: int
+    index_size: int
+    checksum: str
+    submission_id: str
+    entries: list[frame.IndexEntry]
+
+
 class PackWriter:
     """Appends extents to this incarnation's current pack, rotating by size."""
 
@@ -91,8 +104,6 @@ class PackWriter:
         self._directory_durable = False
         self._live_fd = -1
         self.on_seal: SealHook | None = None
-        # The last layout's submission id and index entries, shared once durable (reader.py).
-        self._placed: tuple[str, list[frame.IndexEntry]] = ("", [])
         self.packs_created = 0
         self.bytes_written = 0
 
@@ -114,7 +125,7 @@ class PackWriter:
         pack = self._pack
         if pack is not None:
             layout = self._layout(entries, submission_id, pack.size)
-            extent_end = layout[1] + layout[2]
+            extent_end = layout.index_offset + layout.index_size
             # D3: rotate before crossing the target, unless the pack is empty (a big extent stays whole).
             if not pack.extents or extent_end <= self.segment_target_bytes:
                 return self._append(pack, layout, manifests)
@@ -169,13 +180,8 @@ class PackWriter:
 
     # -- internals -------------------------------------------------------------------
 
-    def _layout(
-        self, entries: Sequence[Entry], submission_id: str, start: int
-    ) -> tuple[list[posix.Buffer], int, int, str]:
-        """Frames of one extent at ``start``: buffers, index offset, index size, index checksum.
-
-        The index entries wait in ``_placed`` until the extent is durable (then shared).
-        """
+    def _layout(self, entries: Sequence[Entry], submission_id: str, start: int) -> _Layout:
+        """Frames of one extent at ``start``, and the index entries it records."""
         buffers: list[posix.Buffer] = []
         placed: list[frame.IndexEntry] = []
         position = start
@@ -202,9 +208,8 @@ class PackWriter:
         head, body, sum_hex = frame.encode_json_frame(
             frame.KIND_INDEX, frame.index_body(submission_id, placed)
         )
-        self._placed = (submission_id, placed)
         buffers += [head, body]
-        return buffers, position, len(head) + len(body), sum_hex
+        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed)
 
     def _segment(self, relative: str, segment_id: str, offset: int, size: int, sum_hex: str) -> SegmentRef:
         return SegmentRef(
@@ -218,10 +223,8 @@ class PackWriter:
             offset=offset,
         )
 
-    def _append(
-        self, pack: _OpenPack, layout: tuple[list[posix.Buffer], int, int, str], manifests: Sequence[int]
-    ) -> SegmentRef:
-        buffers, index_offset, index_size, sum_hex = layout
+    def _append(self, pack: _OpenPack, layout: _Layout, manifests: Sequence[int]) -> SegmentRef:
+        buffers, index_offset, index_size, sum_hex = layout[:4]
         segment = self._segment(pack.relative, pack.segment_id, index_offset, index_size, sum_hex)
         end = index_offset + index_size
         try:
@@ -249,7 +252,7 @@ class PackWriter:
         pack.manifests[index_offset] = list(manifests)
         self.bytes_written += written
         invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
-        reader.remember_written(segment, *self._placed)
+        reader.remember_written(segment, layout.submission_id, layout.entries)
         try:
             self.backend.fault("after_data_sync")
         except BaseException as error:
@@ -279,7 +282,8 @@ class PackWriter:
         temp = os.path.join(directory, f".{segment_id}{suffix}.tmp")
         flags = frame.FLAG_STANDALONE if standalone else 0
         header = frame.encode_pack_header(self.run_id, segment_id, time.time_ns(), flags)
-        buffers, index_offset, index_size, sum_hex = self._layout(entries, submission_id, len(header))
+        layout = self._layout(entries, submission_id, len(header))
+        buffers, index_offset, index_size, sum_hex = layout[:4]
         size = index_offset + index_size
         if standalone:
             seal_head, seal, _ = frame.encode_json_frame(frame.KIND_SEAL, frame.seal_body(1, size))
@@ -300,7 +304,7 @@ class PackWriter:
             raise
         # The pack is visible from here on: failures are uncertain, not failed (D2.5).
         self.packs_created += 1
-        reader.remember_written(segment, *self._placed)
+        reader.remember_written(segment, layout.submission_id, layout.entries)
         self.bytes_written += written
         extents = {index_offset: list(manifests)}
         if standalone:

@@ -32,7 +32,7 @@ from ..errors import (
     UnsupportedSchema,
     invariant,
 )
-from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode
+from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
 from .commits import CommitLog
 from .index import Key, PendingIndex, pending_key
 
@@ -1143,10 +1143,7 @@ def _expand_specs(refs: Sequence[Mapping[str, Any]], rows: Sequence[Sequence[Any
 def _trusted_spec(fields: Sequence[Any], input_ref: RecordSetRef | None) -> TaskSpec:
     """A TaskSpec rebuilt from our own journal or snapshot, whose values were checked when the
     task was submitted: skips ``__post_init__`` (recovery time is proportional to this)."""
-    spec = object.__new__(TaskSpec)
-    spec.__dict__.update(zip(_SPEC_FIELDS, fields, strict=True))
-    spec.__dict__["input_ref"] = input_ref
-    return spec
+    return unchecked(TaskSpec, {**dict(zip(_SPEC_FIELDS, fields, strict=True)), "input_ref": input_ref})
 
 
 def _replace_spec(spec: TaskSpec, item: Mapping[str, Any]) -> TaskSpec:
