@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from child_io import CHILD_TIMEOUT_S, read_line
 from straw._catalog.log import Catalog
 from straw.backend import FilesystemBackend
 from straw.protocol import Record, RecordSetRef, as_dict
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.crash
 
 RUN = "run-gc-crash"
 HERE = Path(__file__).resolve()
-CHILD_TIMEOUT_S = 60.0
 #: A writer stops by itself after this many publications if nobody kills it (it is killed
 #: while still writing, long before: each publication is a few KB).
 WRITES_MAX = 50_000
@@ -180,13 +180,7 @@ def test_i14_collector_killed_between_tombstone_and_unlink_the_next_one_finishes
 
 
 def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line.endswith("\n"):
-        process.kill()
-        _, err = process.communicate(timeout=CHILD_TIMEOUT_S)
-        raise AssertionError(f"writer ended early (rc={process.returncode}): {err[-3000:]}")
-    item: dict[str, Any] = json.loads(line)
+    item: dict[str, Any] = json.loads(read_line(process, "writer"))
     return item
 
 

@@ -17,19 +17,18 @@ This file is also the child program: ``python tests/test_gc_juicefs.py write|col
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
+from child_io import CHILD_TIMEOUT_S, children, read_line, send
 from straw.backend import FilesystemBackend
 from straw.protocol import Record, RecordSetRef, as_dict
 from straw.store import SharedFilesystemStore
@@ -38,7 +37,6 @@ pytestmark = pytest.mark.juicefs
 
 RUN = "run-gc-juicefs"
 HERE = Path(__file__).resolve()
-CHILD_TIMEOUT_S = 60.0
 
 
 def payload(name: str) -> bytes:
@@ -121,40 +119,13 @@ def _spawn(command: str, root: Path, declaration: dict[str, Any], number: int) -
     )
 
 
-def _line(process: subprocess.Popen[str]) -> str:
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line.endswith("\n"):
-        process.kill()
-        _, err = process.communicate(timeout=CHILD_TIMEOUT_S)
-        raise AssertionError(f"child ended early (rc={process.returncode}): {err[-3000:]}")
-    return line
-
-
-def _send(process: subprocess.Popen[str], line: str) -> None:
-    assert process.stdin is not None
-    process.stdin.write(line)
-    process.stdin.flush()
-
-
-@contextlib.contextmanager
-def _children(*processes: subprocess.Popen[str]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=CHILD_TIMEOUT_S)
-
-
 def _collect_once(root: Path, declaration: dict[str, Any]) -> dict[str, Any]:
     """One collection in a fresh process mounted through ``root``'s client."""
     process = _spawn("collect", root, declaration, 1)
-    with _children(process):
-        assert _line(process) == "ready\n"
-        _send(process, "go\n")
-        answer = json.loads(_line(process))
+    with children(process):
+        assert read_line(process) == "ready\n"
+        send(process, "go\n")
+        answer = json.loads(read_line(process))
         process.communicate(timeout=CHILD_TIMEOUT_S)
     assert answer["error"] is None, answer["error"]
     result: dict[str, Any] = answer["results"][0]
@@ -171,9 +142,9 @@ def _start_writer(
     writer = _spawn("write", root, declaration, count)
     refs = {}
     for _ in range(count):
-        item = json.loads(_line(writer))
+        item = json.loads(read_line(writer))
         refs[item["name"]] = RecordSetRef.from_dict(item["ref"])
-    writer_id = json.loads(_line(writer))["writer"]
+    writer_id = json.loads(read_line(writer))["writer"]
     return writer, refs, writer_id
 
 
@@ -190,7 +161,7 @@ def test_g5_writer_alive_on_a_is_never_dead_to_a_collector_on_b(
     declaration = juicefs_clients.declaration
     open_store(path_a, declaration).close()  # the pool exists on both clients
     writer, refs, writer_id = _start_writer(path_a, declaration, 5)
-    with _children(writer):
+    with children(writer):
         paths = {name: ref.manifest.segment.path for name, ref in refs.items()}
         assert len(set(paths.values())) == 5
         owner = open_store(path_b, declaration)
@@ -204,8 +175,8 @@ def test_g5_writer_alive_on_a_is_never_dead_to_a_collector_on_b(
         assert writer.poll() is None
 
         if ending == "close":
-            _send(writer, "close\n")
-            assert _line(writer) == "closed\n"
+            send(writer, "close\n")
+            assert read_line(writer) == "closed\n"
             writer.communicate(timeout=CHILD_TIMEOUT_S)
             assert writer.returncode == 0
         else:
@@ -255,12 +226,12 @@ def test_g4_concurrent_collectors_on_both_clients_reclaim_each_dead_pack_once(
     victim_bytes = sum((path_a / p).stat().st_size for p in victims)
 
     collectors = [_spawn("collect", path, declaration, loops) for path in (path_a, path_b)]
-    with _children(*collectors):
+    with children(*collectors):
         for process in collectors:
-            assert _line(process) == "ready\n"
+            assert read_line(process) == "ready\n"
         for process in collectors:  # both start at once
-            _send(process, "go\n")
-        answers = [json.loads(_line(process)) for process in collectors]
+            send(process, "go\n")
+        answers = [json.loads(read_line(process)) for process in collectors]
         for process in collectors:
             process.communicate(timeout=CHILD_TIMEOUT_S)
             assert process.returncode == 0

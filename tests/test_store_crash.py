@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import pytest
 
+from child_io import CHILD_TIMEOUT_S, read_line
 from straw._pack import frame
 from straw.errors import CorruptData
 from straw.protocol import Publication, Record, RecordSetRef
@@ -36,8 +37,6 @@ pytestmark = pytest.mark.crash
 
 RUN = "run-crash"
 HERE = Path(__file__).resolve()
-#: Bound on any wait for a child process (a hang fails the test instead of the suite).
-CHILD_TIMEOUT_S = 60.0
 #: A writer stops by itself after this many writes if nobody kills it.
 WRITES_MAX = 500
 
@@ -143,16 +142,6 @@ def _spawn(*args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[str]
     )
 
 
-def _line(process: subprocess.Popen[str]) -> str:
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line.endswith("\n"):
-        process.kill()
-        _, err = process.communicate(timeout=CHILD_TIMEOUT_S)
-        raise AssertionError(f"child ended early (rc={process.returncode}): {err[-3000:]}")
-    return line
-
-
 def _kill(process: subprocess.Popen[str]) -> list[str]:
     """SIGKILL a writer; return the complete lines it printed that were not read yet."""
     os.kill(process.pid, signal.SIGKILL)
@@ -224,7 +213,7 @@ def test_i1_references_printed_before_sigkill_read_back_in_a_fresh_process(
     root = tmp_path / "pool"
     writer = _spawn("write", str(root), RUN, "0", str(WRITES_MAX))
     try:
-        lines = [_line(writer) for _ in range(kill_after)]
+        lines = [read_line(writer) for _ in range(kill_after)]
     except BaseException:
         writer.kill()
         raise
@@ -258,7 +247,7 @@ def test_i1_reader_verifies_each_reference_while_the_writer_appends(tmp_path: Pa
     reader = _spawn("verify", str(root), RUN, stdin=writer.stdout)
     writer.stdout.close()  # the reader now holds the only read end: it sees EOF when the writer dies
     try:
-        acks = [_line(reader) for _ in range(10)]
+        acks = [read_line(reader) for _ in range(10)]
         # The reader verified ten references while the writer was still running.
         assert writer.poll() is None
         os.kill(writer.pid, signal.SIGKILL)

@@ -12,19 +12,18 @@ This file is also the child program: ``python tests/test_store_juicefs.py write|
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
+from child_io import CHILD_TIMEOUT_S, children, exchange
 from straw._pack.reader import PackReader
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData
@@ -35,7 +34,6 @@ pytestmark = pytest.mark.juicefs
 
 RUN = "run-juicefs"
 HERE = Path(__file__).resolve()
-CHILD_TIMEOUT_S = 60.0
 MiB = 1 << 20
 
 
@@ -117,30 +115,6 @@ def _spawn(command: str, root: Path, declaration: dict[str, Any]) -> subprocess.
     )
 
 
-def _exchange(process: subprocess.Popen[str], line: str) -> str:
-    """Send one line to a child and wait for its one-line answer."""
-    assert process.stdin is not None and process.stdout is not None
-    process.stdin.write(line)
-    process.stdin.flush()
-    answer = process.stdout.readline()
-    if not answer.endswith("\n"):
-        process.kill()
-        _, err = process.communicate(timeout=CHILD_TIMEOUT_S)
-        raise AssertionError(f"child ended early (rc={process.returncode}): {err[-3000:]}")
-    return answer
-
-
-@contextlib.contextmanager
-def _children(*processes: subprocess.Popen[str]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=CHILD_TIMEOUT_S)
-
-
 @pytest.mark.timeout(180)
 def test_reader_on_client_b_verifies_each_reference_while_client_a_appends(
     juicefs_pool: tuple[Path, Path], juicefs_clients: Any
@@ -152,11 +126,11 @@ def test_reader_on_client_b_verifies_each_reference_while_client_a_appends(
     open_store(path_a, declaration).close()
     writer = _spawn("write", path_a, declaration)
     reader = _spawn("read", path_b, declaration)
-    with _children(writer, reader):
+    with children(writer, reader):
         packs = set()
         for index in range(writes):
-            line = _exchange(writer, "go\n")  # the writer appends one more extent ...
-            ack = _exchange(reader, line).split()  # ... and client B reads it at once
+            line = exchange(writer, "go\n")  # the writer appends one more extent ...
+            ack = exchange(reader, line).split()  # ... and client B reads it at once
             assert ack[:2] == ["ok", str(index)]
             packs.add(ack[2])
         out, err = reader.communicate(timeout=CHILD_TIMEOUT_S)
