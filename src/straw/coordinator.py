@@ -14,11 +14,14 @@ import gc
 import math
 import os
 import random
+import resource
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ._fs import durable, lock, posix
@@ -28,6 +31,7 @@ from ._queue.machine import (
     COMPLETED,
     LEASED,
     PENDING,
+    SAVED,
     Answer,
     Event,
     QueueState,
@@ -80,9 +84,65 @@ def _text(value: object, what: str) -> str:
     return value
 
 
+def _update(update: Mapping[str, Any], call: str, *, optional_input: bool) -> dict[str, Any]:
+    """One update of ``yield_tasks`` / ``save_task_progress_many`` with its lease and input as
+    objects; callers may pass either the objects or their ``dataclasses.asdict`` forms."""
+    if not isinstance(update, Mapping):
+        raise TypeError(f"{call} takes mappings with 'lease' and 'input_ref', got {type(update).__name__}")
+    item = dict(update)
+    if "lease" not in item or (not optional_input and "input_ref" not in item):
+        raise ValueError(f"{call}: every update needs 'lease' and 'input_ref', got keys {sorted(item)}")
+    lease = item["lease"]
+    if isinstance(lease, Mapping):
+        item["lease"] = Lease.from_dict(lease)
+    elif not isinstance(lease, Lease):
+        raise TypeError(f"{call}: lease must be a Lease or its dict, got {type(lease).__name__}")
+    ref = item.get("input_ref")
+    if isinstance(ref, Mapping):
+        item["input_ref"] = RecordSetRef.from_dict(ref)
+    return item
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """Accepted results the ``training`` consumer processed: every position below ``cursor``
+    and those in ``positions``; ``finished`` batches (its progress record, API.md section 7)."""
+
+    cursor: int
+    positions: frozenset[int]
+    finished: frozenset[str]
+
+    def covers(self, position: int) -> bool:
+        return position < self.cursor or position in self.positions
+
+
 def queue_owner(run_id: str, relative_directory: str) -> str:
     """The catalog owner holding a queue's roots (docs/GC.md "Queue roots"); ``straw check`` uses it too."""
     return "queue:" + digest([run_id, relative_directory])[:32]
+
+
+class JournalView:
+    """Read-only facts about a coordinator's journal: ``path`` (the segment being appended, a
+    ``pathlib.Path``) and ``sequence`` (the last durable transaction's number; it grows by
+    one per journaled call, a repeated request journals nothing)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+
+    @property
+    def path(self) -> Path:
+        return Path(self._journal.segment_path)
+
+    @property
+    def sequence(self) -> int:
+        return self._journal.durable_seq
+
+    @property
+    def directory(self) -> Path:
+        return Path(self._journal.directory)
+
+    def __repr__(self) -> str:
+        return f"JournalView(path={str(self.path)!r}, sequence={self.sequence})"
 
 
 class Coordinator:
@@ -105,7 +165,7 @@ class Coordinator:
             raise TypeError(f"store must be a SharedFilesystemStore, got {type(store).__name__}")
         self.store = store
         self.queue_id = _text(queue_id, "queue_id")
-        self.exclusive_owner = _text(exclusive_owner, "exclusive_owner")
+        self.exclusive_owner = self._declared_owner(exclusive_owner)
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)):
             raise ValueError(f"lease_seconds must be a positive number, got {lease_seconds!r}")
         if not (math.isfinite(lease_seconds) and lease_seconds > 0):
@@ -123,6 +183,7 @@ class Coordinator:
         self._ids = random.Random(secrets.randbits(256))
         self._broken: BaseException | None = None
         self._closed = False
+        self._last_reply: Any = None
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
@@ -141,12 +202,24 @@ class Coordinator:
                 self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
             )
             self._state = self._open(recover)
+            self.journal = JournalView(self._journal)
         except BaseException:
             lock.unlock(self._lock_fd)
             raise
         self.recovery_seconds = time.perf_counter() - started
 
     # ------------------------------------------------------------------ opening
+
+    @staticmethod
+    def _declared_owner(owner: object) -> str:
+        """``exclusive_owner`` declares who guarantees a single live coordinator (a scheduler, an
+        operator): any non-empty text. It is recorded, not an identity that recovery must match."""
+        if not isinstance(owner, str) or not owner:
+            raise UnsafeRecovery(
+                f"exclusive_owner must name the external guarantee that only one coordinator of this "
+                f"queue runs (non-empty text), got {owner!r}"
+            )
+        return _text(owner, "exclusive_owner")
 
     def _take_lock(self) -> int:
         path = os.path.join(self.directory, LOCK_FILE)
@@ -218,12 +291,19 @@ class Coordinator:
         if found.get("version") != QUEUE_VERSION:
             raise UnsupportedSchema(f"queue format version {found.get('version')!r} is not supported")
         wanted = self._identity()
-        for key in ("run_id", "queue_id", "exclusive_owner", "limits"):
+        for key in ("run_id", "queue_id", "limits"):
             if found.get(key) != wanted[key]:
                 raise UnsafeRecovery(
                     f"queue in {self.directory} was created with {key}={found.get(key)!r}, "
                     f"this coordinator has {key}={wanted[key]!r}; refusing to recover another identity"
                 )
+        if found.get("exclusive_owner") != wanted["exclusive_owner"]:
+            # A new declaration of who keeps this coordinator single (a restarted job, another
+            # scheduler): recorded by D0, so the identity file always names the latest one.
+            try:
+                durable.replace_file(path, [encode(wanted)], self.backend.sync_file, self.backend.sync_dir)
+            except OSError as error:
+                raise posix.storage_error(error, f"recording the new exclusive_owner in {path}") from error
 
     def _replay(self, limits: Mapping[str, int]) -> QueueState:
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
@@ -280,13 +360,25 @@ class Coordinator:
                 self._counters["duplicate_requests"] += 1
             else:
                 self._own_before_naming(packs or set())
-                body = journal_body(result)
-                try:
-                    seq = self._journal.append(body)
-                    reply = self._state.apply(result)
-                except BaseException as error:
-                    self._broken = error
-                    raise
+                seq = self._journal_locked(result)
+                reply = self._last_reply
+        self._wait_durable(seq)
+        if adopted and not isinstance(result, Answer):
+            with self._lock:
+                self._adopted.update(adopted)
+        return reply
+
+    def _journal_locked(self, event: Event) -> int:
+        """Append one transaction and apply it (lock held); its reply is ``_last_reply``."""
+        try:
+            seq = self._journal.append(journal_body(event))
+            self._last_reply = self._state.apply(event)
+        except BaseException as error:
+            self._broken = error
+            raise
+        return seq
+
+    def _wait_durable(self, seq: int) -> None:
         try:
             self._journal.wait(seq)
         except OSError as error:
@@ -299,10 +391,6 @@ class Coordinator:
         except BaseException as error:
             self._broken = error
             raise
-        if adopted and not isinstance(result, Answer):
-            with self._lock:
-                self._adopted.update(adopted)
-        return reply
 
     def _own_before_naming(self, packs: set[str]) -> None:
         """G6, with the lock held: the queue's owner reaches ``packs`` before the journal names
@@ -459,26 +547,31 @@ class Coordinator:
 
     def yield_task(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef | None) -> str:
         """Return a task with new input (a continuation) to the tail of its FIFO; no attempt spent."""
-        return self.yield_tasks([{"lease": lease, "input_ref": input_ref}], request_id=request_id)[0]
+        return self.yield_tasks([{"lease": lease, "input_ref": input_ref}], request_id=request_id)
 
-    def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
-        """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata."""
-        items = [dict(u) for u in updates]
+    def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> str:
+        """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata.
+
+        Each update's ``lease`` and ``input_ref`` may be the objects or their ``asdict`` forms.
+        Answers ``"pending"`` (every task is pending again), as the API contract's peer does.
+        """
+        items = [_update(u, "yield_tasks", optional_input=True) for u in updates]
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted))
+        self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted)
+        return PENDING
 
     def save_task_progress(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef) -> str:
-        """Record new input for a task while keeping its lease."""
-        return self.save_task_progress_many(
-            [{"lease": lease, "input_ref": input_ref}], request_id=request_id
-        )[0]
+        """Record new input for a task while keeping its lease; answers ``"saved"``."""
+        return self.save_task_progress_many([{"lease": lease, "input_ref": input_ref}], request_id=request_id)
 
-    def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
-        items = [dict(u) for u in updates]
+    def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> str:
+        """All-or-nothing :meth:`save_task_progress` of many leases (objects or ``asdict`` forms)."""
+        items = [_update(u, "save_task_progress_many", optional_input=False) for u in updates]
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted))
+        self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted)
+        return SAVED
 
     def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> tuple[set[str], Adoption]:
         """Verify references through the store; returns the packs they reach (to own them) and
@@ -530,6 +623,13 @@ class Coordinator:
         def read() -> tuple[list[dict[str, Any]], bool]:
             state = self._state
             page = state.commits[cursor : cursor + limit]
+            released = state.first_released(cursor, cursor + len(page))
+            if released is not None:
+                raise InvalidReference(
+                    f"accepted position {released} was acknowledged by the training consumer and "
+                    "released by garbage collection; rewind the consumer (save_consumer_state with an "
+                    "earlier processed_cursor) to read that history again"
+                )
             return page, state.drained_input() and cursor + len(page) >= len(state.commits)
 
         page, done = self._query(read)
@@ -589,11 +689,39 @@ class Coordinator:
     ) -> dict[str, Any]:
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         packs, adopted = self._verify_inputs([state_ref, progress_ref])
+        acked, verified, history = self._rewind(consumer_id, state)
         return dict(
             self._commit(
-                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs, adopted
+                lambda: self._state.check_save_consumer(
+                    consumer_id, token, request_id, state, acked, verified
+                ),
+                packs | history,
+                adopted,
             )
         )
+
+    def _rewind(
+        self, consumer_id: str, state: Mapping[str, Any]
+    ) -> tuple[tuple[int, frozenset[int]] | None, frozenset[int], set[str]]:
+        """A training state that acknowledges less than was released (a checkpoint restored)
+        takes that history back: each result must still be readable (verified here, without
+        the lock), and its packs are owned again before the journal names the state (G6).
+
+        Returns what the state acknowledges, the positions verified and their packs.
+        """
+        if consumer_id != TRAINING or not self._query(self._state.has_released):
+            return None, frozenset(), set()  # nothing was released: nothing to take back
+        progress = self._progress(state)
+        acked = (progress.cursor, progress.positions)
+        back = self._query(lambda: self._state.reowned_by(acked))
+        if not back:
+            return acked, frozenset(), set()
+        receipts = self._query(lambda: [(self._state.commits[p], self._state.commit_packs[p]) for p in back])
+        refs = [RecordSetRef.from_dict(receipt["result_ref"]) for receipt, _ in receipts]
+        packs = self.store.reach(refs)  # missing -> StorageUnavailable, damaged -> CorruptData
+        for _, known in receipts:
+            packs.update(known)
+        return acked, frozenset(back), packs
 
     def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
@@ -638,10 +766,13 @@ class Coordinator:
         packs, adopted = self._verify_inputs([ready_ref, state_ref, progress_ref])
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
+        acked, verified, history = self._rewind(consumer_id, state)
         return dict(
             self._commit(
-                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state),
-                packs,
+                lambda: self._state.check_batch_ready(
+                    consumer_id, token, batch_id, ready, state, acked, verified
+                ),
+                packs | history,
                 adopted,
             )
         )
@@ -681,26 +812,41 @@ class Coordinator:
 
     # ------------------------------------------------------------------ garbage collection
 
-    def _acknowledgements(self) -> tuple[Callable[[int], bool], set[str]]:
-        """What the ``training`` consumer processed: processed_cursor plus its progress_ref."""
+    def _progress(self, state: Mapping[str, Any] | None) -> Acknowledged:
+        """What a ``training`` consumer state acknowledges: its processed_cursor, plus the
+        positions and batches its ``progress_ref`` lists (read from the store)."""
+        if state is None:
+            return Acknowledged(0, frozenset(), frozenset())
+        cursor = int(state["processed_cursor"])
+        progress = state.get("progress_ref")
+        if progress is None:
+            return Acknowledged(cursor, frozenset(), frozenset())
+        records = list(self.store.read(RecordSetRef.from_dict(progress)))
+        body = decode(records[0].payload) if len(records) == 1 else None
+        if not isinstance(body, dict) or body.get("version") != 1:
+            raise UnsupportedSchema(
+                "progress_ref must be one json.v1 record {version: 1, processed_positions, finished_batches}"
+            )
+        positions = frozenset(int(p) for p in body.get("processed_positions", []) if int(p) >= cursor)
+        finished = frozenset(str(b) for b in body.get("finished_batches", []))
+        return Acknowledged(cursor, positions, finished)
+
+    def _acknowledgements(self) -> Acknowledged:
+        """What the ``training`` consumer processed (lock held: reads the current state)."""
         consumer = self._state.consumers.get(TRAINING)
-        if consumer is None or consumer.state is None:
-            return (lambda position: False), set()
-        cursor = int(consumer.state["processed_cursor"])
-        positions: set[int] = set()
-        finished: set[str] = set()
-        progress = consumer.state.get("progress_ref")
-        if progress is not None:
-            records = list(self.store.read(RecordSetRef.from_dict(progress)))
-            body = decode(records[0].payload) if len(records) == 1 else None
-            if not isinstance(body, dict) or body.get("version") != 1:
-                raise UnsupportedSchema(
-                    "progress_ref must be one json.v1 record {version: 1, processed_positions, "
-                    "finished_batches}"
-                )
-            positions = {int(p) for p in body.get("processed_positions", [])}
-            finished = {str(b) for b in body.get("finished_batches", [])}
-        return (lambda position: position < cursor or position in positions), finished
+        return self._progress(consumer.state if consumer is not None else None)
+
+    def _usage(self) -> dict[str, Any]:
+        """The peer's accounting view (``metrics()["usage_with_reservations"]``): accepted results
+        the training consumer has not processed, plus what leased tasks estimate; ready batches.
+
+        Diagnostic only: nothing is refused by it (``Limits`` are identity fields, not quotas).
+        """
+        consumer_state = self._query(
+            lambda: self._state.consumers[TRAINING].state if TRAINING in self._state.consumers else None
+        )
+        acked = self._progress(consumer_state)
+        return dict(self._query(lambda: self._state.usage(acked.covers, acked.finished)))
 
     def collect_garbage(self) -> dict[str, Any]:
         """Own exactly this queue's roots in the catalog, then collect the pool (docs/GC.md).
@@ -710,14 +856,21 @@ class Coordinator:
         """
         with self._lock:
             self._usable()
-            acknowledged, finished = self._acknowledgements()
-            listed, packs = self._state.roots(acknowledged, finished)
+            acked = self._acknowledgements()
+            # The history the queue stops owning is journaled as released first (read_commits
+            # then names it); the frame need not be durable before the catalog drops it, since
+            # losing it only turns that message into a missing-file error.
+            release = self._state.check_release_history((acked.cursor, acked.positions))
+            seq = self._journal_locked(release) if release is not None else None
+            listed, packs = self._state.roots(acked.covers, acked.finished)
             refs = [RecordSetRef.from_dict(d) for d in listed]
             packs |= self.store.reach(refs)
             # Pending adoptions end with the same frame: from here on only owners keep those.
             self.store._own(self._gc_owner, packs, replace=True, adopted=self._adopted)
             self._owned = set(packs)
             self._adopted = Adoption()
+        if seq is not None:
+            self._wait_durable(seq)
         result = self.store.collect_garbage()
         result["queue_roots"] = len(refs)
         result["queue_packs"] = len(packs)
@@ -767,7 +920,11 @@ class Coordinator:
                 "counters": dict(self._counters),
             }
 
-        return dict(self._query(read))
+        out = dict(self._query(read))
+        out["usage_with_reservations"] = self._usage()
+        out["process_cpu_seconds"] = time.process_time()
+        out["process_rss_high_water_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return out
 
     def drain(self) -> dict[str, int]:
         """Stop handing out tasks (``acquire`` answers ``draining``); leased work can still finish."""

@@ -34,6 +34,7 @@ from .errors import (
     IdempotencyConflict,
     IndeterminateCommit,
     InvalidReference,
+    QueueError,
     ResourceLimitExceeded,
     UnsupportedSchema,
     WriterBusy,
@@ -644,8 +645,9 @@ class SharedFilesystemStore:
                 out.append(next(resolved))
                 continue
             if not 0 <= dep < number:
-                raise ValueError(
-                    f"publication {number}: int dependency {dep} must name an earlier publication"
+                raise InvalidReference(
+                    f"publication {number}: int dependency {dep} must name an earlier publication "
+                    "of the same call"
                 )
             ordinal, set_digest, records, payload, tokens = earlier[dep]
             out.append(
@@ -698,16 +700,36 @@ class SharedFilesystemStore:
                 raise posix.storage_error(error, f"publishing submission {submission_id!r}") from error
             value = result(segment)
             self._account(entries, kind)
+            remembered = _Remembered(kind, fingerprint, value)
             try:
                 self.backend.fault("after_publish")
-            except BaseException as error:
-                self._pending = _Pending(submission_id, _Remembered(kind, fingerprint, value), None)
-                raise IndeterminateCommit(
-                    f"submission {submission_id!r} is durable but its reply was interrupted ({error!r}); "
-                    "retry the same submission to get its reference"
-                ) from error
-            self._remember(submission_id, _Remembered(kind, fingerprint, value))
+            except OSError as error:
+                # The extent is durable; an I/O error now only clouds the reply. Check it once
+                # more from the file itself: readable means published (as the peer does).
+                self._recheck(segment, submission_id, remembered, error)
+            except BaseException:
+                # Durable all the same: remember it, so the retry answers with this reference.
+                self._remember(submission_id, remembered)
+                raise
+            self._remember(submission_id, remembered)
             return value
+
+    def _recheck(
+        self, segment: SegmentRef, submission_id: str, remembered: _Remembered, error: OSError
+    ) -> None:
+        """After an I/O error at the reply: read the extent's index frame back (a fresh reader,
+        no cache); if that fails too the outcome is uncertain (I5)."""
+        reader = PackReader(self.backend, self.run_id)
+        try:
+            reader.index(segment)
+        except (QueueError, OSError):
+            self._pending = _Pending(submission_id, remembered, None)
+            raise IndeterminateCommit(
+                f"submission {submission_id!r} is durable but could not be read back after {error!r}; "
+                "retry the same submission to get its reference"
+            ) from error
+        finally:
+            reader.close()
 
     def _resolve_pending(self, pending: _Pending, submission_id: str, attempt: _Remembered) -> Any:
         if pending.submission_id != submission_id:

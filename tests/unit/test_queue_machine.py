@@ -42,6 +42,7 @@ from straw.errors import (
     QueueError,
     ResourceLimitExceeded,
     StaleAttempt,
+    UnsafeRecovery,
     UnsupportedSchema,
 )
 from straw.protocol import Lease, RecordRef, RecordSetRef, SegmentRef, TaskSpec, decode, encode
@@ -748,7 +749,7 @@ def _error_cases(
         (ValueError, "max_tasks", lambda: s.check_acquire("w", 0, None, None, False, 1.0, LEASE_S, ids)),
         (ValueError, "worker_id", lambda: s.check_acquire("", 1, None, None, False, 1.0, LEASE_S, ids)),
         (StaleAttempt, "not current", lambda: s.check_close_consumer("c", "bad-token")),
-        (IdempotencyConflict, "is open by owner", lambda: s.check_open_consumer("c", "intruder", "t2")),
+        (UnsafeRecovery, "is open by owner", lambda: s.check_open_consumer("c", "intruder", "t2")),
         (KeyError, "unknown consumer", lambda: s.check_close_consumer("nobody", "tok")),
         (ValueError, "processed_cursor", lambda: s.check_save_consumer("c", token, "sc1", cursors(0, 1))),
         (ValueError, "fetch_cursor", lambda: s.check_save_consumer("c", token, "sc2", cursors(1, 0))),

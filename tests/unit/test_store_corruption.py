@@ -577,8 +577,8 @@ def test_record_ref_with_a_non_segment_raises_invalid_reference(
         ({"size_delta": 1}, CorruptData, "header says"),  # the seal frame follows
         ({"offset": 0}, InvalidReference, "inside the pack header"),
         ({"offset": 63}, InvalidReference, "inside the pack header"),
-        ({"size": 40}, InvalidReference, "cannot hold an index frame"),
-        ({"size": -5}, InvalidReference, "out of range"),
+        ({"size": 40}, CorruptData, "cannot hold an index frame"),
+        ({"size": -5}, CorruptData, "cannot hold an index frame"),
         ({"offset": 2**63}, InvalidReference, "out of range"),
         ({"offset": 10**12}, CorruptData, "truncated"),
     ],

@@ -246,6 +246,17 @@ class Journal:
         if old >= 0:
             posix.close_quietly(old)
 
+    @property
+    def segment_path(self) -> str:
+        """The segment frames are appended to now."""
+        return os.path.join(self.wal, _name(self.segment_first_seq, ".wal"))
+
+    @property
+    def durable_seq(self) -> int:
+        """The sequence number of the last frame known durable."""
+        with self._cv:
+            return self._durable
+
     def abandon(self) -> None:
         """Close the descriptor and write nothing more: what the kernel does when a process dies."""
         if self._fd >= 0:

@@ -140,10 +140,13 @@ class PackReader:
             raise InvalidReference(f"segment id {segment.segment_id!r} does not match path {segment.path!r}")
         for name in ("offset", "size"):
             value = getattr(segment, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PACK_BYTES_MAX:
-                raise InvalidReference(f"segment {name} {value!r} is out of range")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidReference(f"segment {name} {value!r} is not an integer")
+        if not 0 <= segment.offset <= PACK_BYTES_MAX:
+            raise InvalidReference(f"segment offset {segment.offset!r} is out of range")
+        # A size that no index frame can have is a damaged reference, like one a byte off (CorruptData).
         if not frame.FRAME_HEADER_BYTES < segment.size <= frame.FRAME_HEADER_BYTES + INDEX_BYTES_MAX:
-            raise InvalidReference(f"segment size {segment.size} cannot hold an index frame")
+            raise CorruptData(f"segment size {segment.size} cannot hold an index frame (damaged reference)")
         if segment.offset < frame.PACK_HEADER_BYTES:
             raise InvalidReference(f"segment offset {segment.offset} lies inside the pack header")
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
-from ..limits import PACK_PREALLOC_BYTES
+from ..limits import CHUNK_BYTES, PACK_PREALLOC_BYTES
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
 from . import frame, reader
 
@@ -211,6 +211,15 @@ class PackWriter:
         buffers += [head, body]
         return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed)
 
+    def _chunk_phases(self, entries: Sequence[frame.IndexEntry]) -> None:
+        """The peer's ``after_payload_chunk`` phase, once per payload chunk written (all of an
+        extent is written by one vectored call, so they come together, before its sync)."""
+        if not self.backend.fault_hooked:
+            return
+        for e in entries:
+            for _ in range(-(-e.length // CHUNK_BYTES) if e.inline is None else 0):
+                self.backend.fault("after_payload_chunk")
+
     def _segment(self, relative: str, segment_id: str, offset: int, size: int, sum_hex: str) -> SegmentRef:
         return SegmentRef(
             run_id=self.run_id,
@@ -241,6 +250,7 @@ class PackWriter:
                 posix.pwrite_all(pack.fd, [bytes(end + PACK_PREALLOC_BYTES - start)], start)
                 pack.allocated = end + PACK_PREALLOC_BYTES
             self.backend.fault("after_data_write")
+            self._chunk_phases(layout.entries)
             self.backend.sync_file(pack.fd)
         except BaseException:
             # D1 failed: bytes past pack.size may be torn or unsynced. Nothing
@@ -295,6 +305,7 @@ class PackWriter:
             self.backend.fault("before_data_write")
             written = posix.pwrite_all(fd, [header, *buffers], 0)
             self.backend.fault("after_data_write")
+            self._chunk_phases(layout.entries)
             self.backend.sync_file(fd)
             self.backend.fault("after_data_sync")
             posix.rename(temp, final)

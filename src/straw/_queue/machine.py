@@ -29,6 +29,8 @@ from ..errors import (
     LeaseExpired,
     ResourceLimitExceeded,
     StaleAttempt,
+    StorageUnavailable,
+    UnsafeRecovery,
     UnsupportedSchema,
     invariant,
 )
@@ -49,6 +51,8 @@ class Answer:
 
 
 PENDING, LEASED, COMPLETED, FAILED, CANCELLED = "pending", "leased", "completed", "failed", "cancelled"
+#: What ``save_task_progress(_many)`` answers (the tasks stay leased).
+SAVED = "saved"
 STATES = (PENDING, LEASED, COMPLETED, FAILED, CANCELLED)
 
 #: (from state, event) -> to states. Anything else is a bug (``invariant``).
@@ -97,6 +101,10 @@ class Task:
         return result
 
 
+#: What the training consumer acknowledges: (processed_cursor, processed_positions above it).
+Acked = tuple[int, frozenset[int]]
+
+
 @dataclass
 class Consumer:
     owner: str
@@ -137,6 +145,12 @@ class QueueState:
     batches: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
+    #: Accepted history the queue stopped owning (docs/QUEUE.md "Released history"): every
+    #: position below ``released_cursor`` and those in ``released_positions`` (all above it).
+    #: Set by ``collect_garbage`` to what the training consumer had acknowledged; a rewind of
+    #: that consumer takes positions back (the queue owns them again).
+    released_cursor: int = 0
+    released_positions: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------------ helpers
 
@@ -755,6 +769,10 @@ class QueueState:
         ]
         self._reclaim(leased, f"revoked by recovery (epoch {self.epoch})")
         self.draining = False
+        # Recovery also ends every consumer's ownership (its token is revoked, its state kept):
+        # whoever now declares itself the owner may open it.
+        for consumer in self.consumers.values():
+            consumer.open = False
         return self.epoch
 
     # ------------------------------------------------------------------ consumers, batches, checkpoints
@@ -764,8 +782,9 @@ class QueueState:
         _check_name(owner, "exclusive_owner")
         consumer = self.consumers.get(consumer_id)
         if consumer is not None and consumer.open and consumer.owner != owner:
-            raise IdempotencyConflict(
-                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; close it first"
+            raise UnsafeRecovery(
+                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; a second live owner is "
+                "refused: close it, or recover the coordinator once that owner is known to be stopped"
             )
         return {"op": "open_consumer", "consumer_id": consumer_id, "owner": owner, "token": token}
 
@@ -792,25 +811,100 @@ class QueueState:
         return True
 
     def check_save_consumer(
-        self, consumer_id: str, token: str, request_id: str, state: dict[str, Any]
+        self,
+        consumer_id: str,
+        token: str,
+        request_id: str,
+        state: dict[str, Any],
+        acked: Acked | None = None,
+        verified: frozenset[int] = frozenset(),
     ) -> Event | Answer:
+        """``acked``: what the new state acknowledges, for the training consumer; ``verified``:
+        released positions the caller checked are still readable and owns again (a rewind)."""
         fingerprint = digest(["consumer", consumer_id, state])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(reply[1])
-        consumer = self.consumer(consumer_id, token)
-        _check_cursors(state, consumer.state, len(self.commits))
-        return {
+        self.consumer(consumer_id, token)
+        _check_cursors(state, len(self.commits))
+        event: Event = {
             "op": "save_consumer",
             "request_id": request_id,
             "fingerprint": fingerprint,
             "consumer_id": consumer_id,
             "state": state,
         }
+        self._rewind_into(event, acked, verified)
+        return event
+
+    def _rewind_into(self, event: Event, acked: Acked | None, verified: frozenset[int]) -> None:
+        """A rewind takes released history back: the event carries the new released set."""
+        if acked is None:
+            return
+        back = self.reowned_by(acked)
+        missing = [p for p in back if p not in verified]
+        if missing:
+            raise StorageUnavailable(
+                f"accepted position {missing[0]} was released while this call checked the history; retry"
+            )
+        if back:
+            cursor, positions = self.released_after(acked)
+            event["released"] = [cursor, sorted(positions)]
 
     def _apply_save_consumer(self, event: Event) -> Any:
         self.consumers[event["consumer_id"]].state = event["state"]
+        self._apply_released(event)
         return self._remember(event, event["state"])
+
+    def _apply_released(self, event: Event) -> None:
+        released = event.get("released")
+        if released is not None:
+            self.released_cursor, self.released_positions = int(released[0]), frozenset(released[1])
+
+    # -- released history ----------------------------------------------------------------
+
+    def has_released(self) -> bool:
+        return bool(self.released_cursor or self.released_positions)
+
+    def is_released(self, position: int) -> bool:
+        return position < self.released_cursor or position in self.released_positions
+
+    def first_released(self, start: int, stop: int) -> int | None:
+        """The first released position in ``start..stop-1``, if any."""
+        if start >= stop:
+            return None
+        if start < self.released_cursor:
+            return start
+        inside = [p for p in self.released_positions if start <= p < stop]
+        return min(inside) if inside else None
+
+    def released_after(self, acked: Acked) -> tuple[int, frozenset[int]]:
+        """The released set once the training consumer acknowledges only ``acked``: what was
+        released and is still acknowledged (an intersection; it never grows here)."""
+        c_r, p_r = self.released_cursor, self.released_positions
+        c_a, p_a = acked
+        if c_r <= c_a:
+            return c_r, frozenset(p for p in p_r if p < c_a or p in p_a)
+        return c_a, frozenset(p for p in p_a if p < c_r or p in p_r)
+
+    def reowned_by(self, acked: Acked) -> list[int]:
+        """Released positions that ``acked`` no longer acknowledges (a rewind takes them back)."""
+        c_r, p_r = self.released_cursor, self.released_positions
+        c_a, p_a = acked
+        back = {p for p in p_r if p >= c_a and p not in p_a}
+        back.update(p for p in range(c_a, c_r) if p not in p_a)
+        return sorted(back)
+
+    def check_release_history(self, acked: Acked) -> Event | None:
+        """``collect_garbage`` stops owning what the training consumer acknowledged."""
+        cursor, positions = acked
+        positions = frozenset(p for p in positions if p >= cursor)
+        if (cursor, positions) == (self.released_cursor, self.released_positions):
+            return None
+        return {"op": "release_history", "released": [cursor, sorted(positions)]}
+
+    def _apply_release_history(self, event: Event) -> None:
+        self._apply_released(event)
 
     def check_plan_batch(self, consumer_id: str, token: str, batch: dict[str, Any]) -> Event | Answer:
         self.consumer(consumer_id, token)
@@ -832,7 +926,14 @@ class QueueState:
         return batch
 
     def check_batch_ready(
-        self, consumer_id: str, token: str, batch_id: str, ready_ref: dict[str, Any], state: dict[str, Any]
+        self,
+        consumer_id: str,
+        token: str,
+        batch_id: str,
+        ready_ref: dict[str, Any],
+        state: dict[str, Any],
+        acked: Acked | None = None,
+        verified: frozenset[int] = frozenset(),
     ) -> Event | Answer:
         consumer = self.consumer(consumer_id, token)
         batch = self.batches.get(batch_id)
@@ -844,20 +945,23 @@ class QueueState:
             if batch["ready_ref"] != ready_ref:
                 raise IdempotencyConflict(f"batch {batch_id!r} is already ready with another result")
             return Answer({"batch_id": batch_id, "ready_ref": batch["ready_ref"], "state": consumer.state})
-        _check_cursors(state, consumer.state, len(self.commits))
-        return {
+        _check_cursors(state, len(self.commits))
+        event: Event = {
             "op": "batch_ready",
             "consumer_id": consumer_id,
             "batch_id": batch_id,
             "ready_ref": ready_ref,
             "state": state,
         }
+        self._rewind_into(event, acked, verified)
+        return event
 
     def _apply_batch_ready(self, event: Event) -> dict[str, Any]:
         batch = self.batches[event["batch_id"]]
         batch["ready"] = True
         batch["ready_ref"] = event["ready_ref"]
         self.consumers[event["consumer_id"]].state = event["state"]
+        self._apply_released(event)
         return {"batch_id": event["batch_id"], "ready_ref": event["ready_ref"], "state": event["state"]}
 
     def _apply_register_checkpoint(self, event: Event) -> dict[str, Any]:
@@ -879,7 +983,7 @@ class QueueState:
     # ------------------------------------------------------------------ GC roots
 
     def roots(
-        self, acknowledged: Callable[[int], bool], finished: set[str]
+        self, acknowledged: Callable[[int], bool], finished: frozenset[str] | set[str]
     ) -> tuple[list[dict[str, Any]], set[str]]:
         """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as
         dicts, and packs already known (those of accepted results, recorded when accepted).
@@ -910,6 +1014,44 @@ class QueueState:
         return refs, packs
 
     # ------------------------------------------------------------------ views
+
+    def usage(self, acknowledged: Callable[[int], bool], finished: frozenset[str]) -> dict[str, Any]:
+        """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
+        results not yet processed, plus the estimates of leased production tasks; ready batches."""
+        unprocessed = {"records": 0, "bytes": 0, "tokens": 0}
+        for position in range(len(self.commits)):
+            if not acknowledged(position):
+                ref = self.commits[position]["result_ref"]
+                unprocessed["records"] += ref["records"]
+                unprocessed["bytes"] += ref["payload_bytes"]
+                unprocessed["tokens"] += ref["tokens"]
+        inflight = control = 0
+        reserved = dict(unprocessed)
+        for task in self.tasks.values():
+            if task.state != LEASED:
+                continue
+            if task.spec.control:
+                control += 1
+                continue
+            inflight += 1
+            reserved["records"] += task.spec.estimated_records
+            reserved["bytes"] += task.spec.estimated_bytes
+            reserved["tokens"] += task.spec.estimated_tokens
+        ready = {"records": 0, "bytes": 0, "tokens": 0}
+        for batch_id, batch in self.batches.items():
+            ref = batch.get("ready_ref")
+            if batch.get("ready") and ref is not None and batch_id not in finished:
+                ready["records"] += ref["records"]
+                ready["bytes"] += ref["payload_bytes"]
+                ready["tokens"] += ref["tokens"]
+        return {
+            "accepted_unprocessed": unprocessed,
+            **reserved,
+            "inflight": inflight,
+            "control_inflight": control,
+            "train_ready": ready,
+            "ready_bytes": ready["bytes"],
+        }
 
     def pending_specs(self, task_prefix: str | None, min_priority: int | None) -> list[TaskSpec]:
         out = []
@@ -986,6 +1128,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
         "batches": state.batches,
         "checkpoints": state.checkpoints,
+        "released": [state.released_cursor, sorted(state.released_positions)],
     }
 
 
@@ -1084,6 +1227,8 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
     state.batches = dict(data["batches"])
     state.checkpoints = dict(data["checkpoints"])
+    released = data.get("released", [0, []])  # absent in snapshots written before released history
+    state.released_cursor, state.released_positions = int(released[0]), frozenset(released[1])
     return state
 
 
@@ -1108,6 +1253,7 @@ _APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
     "batch_ready": QueueState._apply_batch_ready,
     "register_checkpoint": QueueState._apply_register_checkpoint,
     "release_checkpoint": QueueState._apply_release_checkpoint,
+    "release_history": QueueState._apply_release_history,
 }
 
 
@@ -1162,14 +1308,11 @@ def _check_name(value: object, what: str) -> None:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}")
 
 
-def _check_cursors(state: Mapping[str, Any], old: Mapping[str, Any] | None, commits: int) -> None:
+def _check_cursors(state: Mapping[str, Any], commits: int) -> None:
+    """Cursors name accepted positions; either may move back (a checkpoint restored)."""
     fetch, processed = state["fetch_cursor"], state["processed_cursor"]
     for name, value in (("fetch_cursor", fetch), ("processed_cursor", processed)):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= commits:
             raise ValueError(f"{name} must be an integer in 0..{commits} (accepted results), got {value!r}")
     if processed > fetch:
         raise ValueError(f"processed_cursor {processed} is ahead of fetch_cursor {fetch}")
-    if old is not None and processed < old["processed_cursor"]:
-        raise ValueError(
-            f"processed_cursor may not move backwards ({old['processed_cursor']} -> {processed})"
-        )
