@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "backend": 1,
     "_fs": 1,
     "reporting": 1,
+    # Payload-free I/O traces (STRAW_TRACE_DIR): used by the store and tensors.
+    "tracing": 1,
     "_pack": 2,
     # The journal's framing and the ownership catalog sit below the store: the store's
     # lifetime calls (retain, release, collect_garbage) are built on the catalog, which
@@ -49,6 +51,9 @@ LAYERS: dict[str, int] = {
     "rollout": 7,
     # Read-only inspection and checking of a pool (straw inspect, straw check; docs/CHECK.md).
     "_inspect": 7,
+    # The peer's offline inspector and JSON control transport, on the public API and _inspect.
+    "inspect": 7,
+    "rpc": 7,
     "cli": 8,
     "benchmark": 8,
     "testing": 9,

@@ -178,6 +178,10 @@ class FilesystemBackend:
             "profile": self.profile,
             "declaration": dict(self.declaration),
             "declaration_verified": False,
+            # The peer's names for the same facts: the declaration is recorded, not checked, and
+            # nothing here certifies a multi-machine deployment.
+            "mount_options_automatically_verified": False,
+            "multi_machine_admission": "not_verified",
             "directory_sync": "after every file creation or rename; errors are fatal",
             "file_sync": "fdatasync before a reference is returned",
             "visibility_retry_seconds": sum(self.visibility_delays),

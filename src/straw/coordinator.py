@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,18 @@ from ._queue.machine import (
     QueueState,
     journal_body,
     new_state,
+    ref_key,
     state_from_dict,
     state_to_dict,
 )
-from .errors import CorruptData, IndeterminateCommit, InvalidReference, UnsafeRecovery, UnsupportedSchema
+from .errors import (
+    CorruptData,
+    IndeterminateCommit,
+    InvalidReference,
+    StorageUnavailable,
+    UnsafeRecovery,
+    UnsupportedSchema,
+)
 from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
 from .protocol import (
     AcquireResult,
@@ -101,6 +109,13 @@ def _update(update: Mapping[str, Any], call: str, *, optional_input: bool) -> di
     if isinstance(ref, Mapping):
         item["input_ref"] = RecordSetRef.from_dict(ref)
     return item
+
+
+@dataclass
+class _Taken(Adoption):
+    """What a call's references are: their adoption, and the packs each one reaches."""
+
+    reach: dict[str, list[str] | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -184,6 +199,8 @@ class Coordinator:
         self._broken: BaseException | None = None
         self._closed = False
         self._last_reply: Any = None
+        self._viewing_durable = False  # the state was reloaded from disk after a journal failure
+        self._paused: StorageUnavailable | None = None  # set when accepted data was found missing
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
@@ -257,11 +274,7 @@ class Coordinator:
             raise UnsafeRecovery(
                 f"queue {self.queue_id!r} already exists in {self.directory}; reopen it with recover=True"
             )
-        limits = {
-            "max_result_bytes": self.limits.max_result_bytes,
-            "max_result_tokens": self.limits.max_result_tokens,
-            "metadata_bytes": self.limits.metadata_bytes,
-        }
+        limits = self._limits()
         if not exists:
             self._journal.create_dirs(str(self.backend.root))
             durable.create_file(
@@ -305,7 +318,16 @@ class Coordinator:
             except OSError as error:
                 raise posix.storage_error(error, f"recording the new exclusive_owner in {path}") from error
 
-    def _replay(self, limits: Mapping[str, int]) -> QueueState:
+    def _limits(self) -> dict[str, int]:
+        return {
+            "max_result_bytes": self.limits.max_result_bytes,
+            "max_result_tokens": self.limits.max_result_tokens,
+            "metadata_bytes": self.limits.metadata_bytes,
+        }
+
+    def _replay(
+        self, limits: Mapping[str, int], journal: Journal | None = None, upto: int | None = None
+    ) -> QueueState:
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
 
         def apply(seq: int, body: bytes) -> None:
@@ -319,12 +341,30 @@ class Coordinator:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            recovered = self._journal.replay(apply, load)
+            recovered = (journal or self._journal).replay(apply, load, upto=upto)
         finally:
             if collecting:
                 gc.enable()
-        self.truncated_tail = recovered.truncated
+        if upto is None:
+            self.truncated_tail = recovered.truncated
         return holder[0]
+
+    def _durable_view(self) -> None:
+        """After a journal failure (lock held): views answer the durable state, not calls that were
+        applied in memory but never made durable (J3). Read from disk once; nothing is written."""
+        if self._viewing_durable:
+            return
+        reader = Journal(
+            self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
+        )
+        try:
+            self._state = self._replay(self._limits(), reader, self._journal.durable_seq)
+        except Exception as error:
+            raise UnsafeRecovery(
+                f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r} and its durable "
+                f"state cannot be read back ({error!r}); close it and reopen the queue with recover=True"
+            ) from error
+        self._viewing_durable = True
 
     # ------------------------------------------------------------------ the call path
 
@@ -360,6 +400,8 @@ class Coordinator:
                 self._counters["duplicate_requests"] += 1
             else:
                 self._own_before_naming(packs or set())
+                if isinstance(adopted, _Taken) and adopted.reach:
+                    result["reach"] = adopted.reach  # what each named reference reaches (GC roots)
                 seq = self._journal_locked(result)
                 reply = self._last_reply
         self._wait_durable(seq)
@@ -408,9 +450,14 @@ class Coordinator:
         self._adopted = Adoption()
 
     def _query(self, read: Callable[[], Any]) -> Any:
-        """Answer from the state, once everything it may reflect is durable."""
+        """Answer from the state, once everything it may reflect is durable. A coordinator that
+        stopped after a journal failure still answers, from its durable state (read once)."""
         with self._lock:
-            self._usable()
+            if self._closed:
+                self._usable()
+            if self._broken is not None:
+                self._durable_view()
+                return read()
             value = read()
             seq = self._journal.last_seq
         self._journal.wait(seq)
@@ -468,6 +515,11 @@ class Coordinator:
     ) -> AcquireResult:
         """Lease up to ``max_tasks`` tasks in priority / scheduling-key / FIFO order (one transaction)."""
         ids = list(task_ids) if task_ids is not None and not isinstance(task_ids, str) else task_ids
+        if self._paused is not None:
+            raise StorageUnavailable(
+                f"scheduling is paused after a storage failure ({self._paused}); make the pool healthy, "
+                "then reopen the queue with recover=True (calls on leased work still answer)"
+            )
         now = self.clock()
         reply = self._commit(
             lambda: self._state.check_acquire(
@@ -511,9 +563,16 @@ class Coordinator:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
             adopted = Adoption()
-            packs = self.store.validate_reach(
-                result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
-            )
+            try:
+                packs = self.store.validate_reach(
+                    result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
+                )
+            except StorageUnavailable as error:
+                # Item 7: a result whose data is gone is refused, and no new work is handed out
+                # from here on: the pool is not healthy (recovery, a new coordinator, resumes).
+                with self._lock:
+                    self._paused = error
+                raise
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id, packs
@@ -575,15 +634,21 @@ class Coordinator:
 
     def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> tuple[set[str], Adoption]:
         """Verify references through the store; returns the packs they reach (to own them) and
-        the publications the call takes over (docs/GC.md "Queue adoption")."""
-        found = []
+        the publications the call takes over (docs/GC.md "Queue adoption"). What each reference
+        reaches is journaled with the call (``_reach``), so collection need not read it again."""
+        found: dict[str, RecordSetRef] = {}
         for ref in refs:
             if ref is not None:
                 if not isinstance(ref, RecordSetRef):
                     raise TypeError(f"expected a RecordSetRef, got {type(ref).__name__}")
-                found.append(ref)
-        adopted = Adoption()
-        return (self.store.reach(found, adoption=adopted) if found else set()), adopted
+                found.setdefault(ref_key(as_dict(ref)), ref)
+        adopted = _Taken()
+        packs: set[str] = set()
+        for key, ref in found.items():
+            reached = self.store.reach([ref], adoption=adopted)
+            packs |= reached
+            adopted.reach[key] = 0 if reached == {ref.manifest.segment.path} else sorted(reached)
+        return packs, adopted
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
@@ -789,6 +854,7 @@ class Coordinator:
         _text(checkpoint_id, "checkpoint_id")
         packs, adopted = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
+        batches = self._checkpointed_batches(checkpoint_ref)
 
         def check() -> Event | Answer:
             existing = self._state.checkpoints.get(checkpoint_id)
@@ -798,9 +864,30 @@ class Coordinator:
                         f"checkpoint {checkpoint_id!r} is registered with another reference"
                     )
                 return Answer(existing)
-            return {"op": "register_checkpoint", "checkpoint_id": checkpoint_id, "checkpoint_ref": ref}
+            event: Event = {
+                "op": "register_checkpoint",
+                "checkpoint_id": checkpoint_id,
+                "checkpoint_ref": ref,
+            }
+            if batches:
+                event["batch_ids"] = batches
+            return event
 
         return dict(self._commit(check, packs, adopted))
+
+    def _checkpointed_batches(self, ref: RecordSetRef) -> list[str]:
+        """Batches a checkpoint says it trained on: a checkpoint that is one ``json.v1`` record
+        ``{..., "batch_ids": [...]}`` (the layout slime writes) lists them; any other record
+        names none. Their ready data no longer counts as waiting for training (``_usage``)."""
+        records = list(self.store.read(ref)) if ref.records == 1 else []
+        if len(records) != 1 or records[0].codec != "json.v1":
+            return []
+        try:
+            body = decode(records[0].payload)
+        except CorruptData:
+            return []
+        ids = body.get("batch_ids") if isinstance(body, dict) else None
+        return [str(b) for b in ids] if isinstance(ids, list) else []
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
         def check() -> Event | Answer:
@@ -863,8 +950,9 @@ class Coordinator:
             release = self._state.check_release_history((acked.cursor, acked.positions))
             seq = self._journal_locked(release) if release is not None else None
             listed, packs = self._state.roots(acked.covers, acked.finished)
-            refs = [RecordSetRef.from_dict(d) for d in listed]
-            packs |= self.store.reach(refs)
+            unknown, known = self._state.known_reach(listed)  # item 12: no reads for these
+            refs = [RecordSetRef.from_dict(d) for d in unknown]
+            packs |= known | self.store.reach(refs)
             # Pending adoptions end with the same frame: from here on only owners keep those.
             self.store._own(self._gc_owner, packs, replace=True, adopted=self._adopted)
             self._owned = set(packs)
@@ -872,7 +960,7 @@ class Coordinator:
         if seq is not None:
             self._wait_durable(seq)
         result = self.store.collect_garbage()
-        result["queue_roots"] = len(refs)
+        result["queue_roots"] = len(listed)
         result["queue_packs"] = len(packs)
         return result
 

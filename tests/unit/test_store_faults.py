@@ -30,10 +30,11 @@ import pytest
 
 from straw._fs import system
 from straw._pack import frame
-from straw.backend import PEER_PHASES, FilesystemBackend
+from straw.backend import JUICEFS_REQUIRED, PEER_PHASES, FilesystemBackend
 from straw.errors import (
     IdempotencyConflict,
     IndeterminateCommit,
+    InvalidReference,
     QuotaExceeded,
     StorageUnavailable,
     WriterBusy,
@@ -194,15 +195,27 @@ def test_missing_file_waits_along_the_delays_then_raises_storage_unavailable(
     assert slept == list(delays if delays is not None else VISIBILITY_RETRY_DELAYS)
 
 
-def test_missing_writer_directory_waits_then_raises_storage_unavailable(tmp_path: Path) -> None:
+def test_a_missing_writer_directory_is_different_storage_at_once_on_a_local_disk(tmp_path: Path) -> None:
     root = tmp_path / "pool"
     ref = _missing_ref(root)
     shutil.rmtree((root / path_of(ref)).parent)  # the pack is gone; the writer's LIVE file goes too
     slept: list[float] = []
     store = open_store(root, backend=FilesystemBackend(root, sleep=slept.append))
-    with pytest.raises(StorageUnavailable, match=path_of(ref)):
+    with pytest.raises(InvalidReference, match="different storage"):
         read_all(store, ref)
-    assert slept == list(VISIBILITY_RETRY_DELAYS)
+    assert slept == []  # D2.1: a writer's directory is durable before any of its packs
+
+
+def test_a_missing_writer_directory_waits_on_a_shared_mount_then_is_different_storage(tmp_path: Path) -> None:
+    root = tmp_path / "pool"
+    ref = _missing_ref(root)
+    shutil.rmtree((root / path_of(ref)).parent)
+    slept: list[float] = []
+    declaration = {**JUICEFS_REQUIRED, "client_version": "test", "durability_description": "test"}
+    backend = FilesystemBackend(root, profile="juicefs", declaration=declaration, sleep=slept.append)
+    with pytest.raises(InvalidReference, match="different storage"):
+        read_all(open_store(root, backend=backend), ref)
+    assert slept == list(VISIBILITY_RETRY_DELAYS)  # the directory may show up late on this client
 
 
 @pytest.mark.parametrize("appear_after", [1, 2, len(VISIBILITY_RETRY_DELAYS)])

@@ -538,7 +538,7 @@ def test_updated_writes_a_new_tensor_and_leaves_the_original(store: SharedFilesy
 
 
 def test_from_record_set_many_maps_tensor_ordinals_only(store: SharedFilesystemStore) -> None:
-    tensor_record = tensor_module.tensor_record(np.arange(4, dtype=np.int16), "t", "topk")[0]
+    tensor_record = tensor_module.tensor_record(np.arange(4, dtype=np.int16), "t", kind="topk")
     ref = store.publish(
         [Record("note", b"hello"), tensor_record, Record("more", b"x")], submission_id="mixed"
     )

@@ -110,8 +110,14 @@ class Journal:
 
     # -- recovery (J4) -----------------------------------------------------------------
 
-    def replay(self, apply: Callable[[int, bytes], None], load: Callable[[bytes], None]) -> Recovered:
-        """Hand the newest snapshot to ``load``, every later frame to ``apply``, and cut a torn tail (J4)."""
+    def replay(
+        self, apply: Callable[[int, bytes], None], load: Callable[[bytes], None], *, upto: int | None = None
+    ) -> Recovered:
+        """Hand the newest snapshot to ``load``, every later frame to ``apply``, and cut a torn tail (J4).
+
+        With ``upto``, a read-only look at the durable history of a journal still open for
+        appends: frames after ``upto`` are not applied, nothing is cut or synced.
+        """
         snapshot, seq, chain = self._load_snapshot()
         if snapshot is not None:
             load(snapshot)
@@ -142,6 +148,8 @@ class Journal:
                 verdict = frame.classify(data, at, running_seq + 1, running_chain)
                 if verdict.decision is frame.Decision.FRAME and verdict.frame is not None:
                     found = verdict.frame
+                    if upto is not None and found.seq > upto:
+                        break
                     running_seq, running_chain, at = found.seq, found.chain, found.end
                     if found.seq > seq:
                         apply(found.seq, found.body)
@@ -160,11 +168,15 @@ class Journal:
                 ):
                     break  # zero-filled space a later segment took over from (J1.1): its end
                 if verdict.decision is frame.Decision.TORN and last_segment:
+                    if upto is not None:
+                        break  # read-only: the tail is the live appender's to settle
                     durable.cut_tail(path, at, self.backend.sync_file)
                     truncated = f"{os.path.basename(path)}: {verdict.reason}; cut at byte {at}"
                     break
                 raise CorruptData(f"journal {path}: {verdict.reason}; refusing to recover past damage")
             position_seq = (running_seq, running_chain)
+        if upto is not None:
+            return Recovered(snapshot, self.segment_first_seq, seq, chain, None)
         if live and truncated is None:
             # J4.3: frames a killed process wrote but never synced are in the page cache, and
             # this replay just applied them. Sync before anything is built on them, so that a

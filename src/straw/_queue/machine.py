@@ -34,6 +34,7 @@ from ..errors import (
     UnsupportedSchema,
     invariant,
 )
+from ..limits import TASK_METADATA_BYTES_MAX
 from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
 from .commits import CommitLog
 from .index import Key, PendingIndex, pending_key
@@ -151,6 +152,10 @@ class QueueState:
     #: that consumer takes positions back (the queue owns them again).
     released_cursor: int = 0
     released_positions: frozenset[int] = frozenset()
+    #: Packs each named reference reaches (``ref_key`` -> packs, or 0 for just its manifest's
+    #: pack), journaled with the call that named it: collecting garbage, even right after a
+    #: recovery, reads nothing to know a root's packs (docs/GC.md "Queue roots").
+    ref_packs: dict[str, list[str] | int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
 
@@ -250,11 +255,7 @@ class QueueState:
         for spec in specs:
             if not isinstance(spec, TaskSpec):
                 raise TypeError(f"submit_tasks takes TaskSpec objects, got {type(spec).__name__}")
-            size = len(encode(spec.metadata)) if spec.metadata else 2
-            if size > self.metadata_bytes:
-                raise ResourceLimitExceeded(
-                    f"task {spec.task_id!r}: metadata is {size} bytes, the limit is {self.metadata_bytes}"
-                )
+            _check_task_metadata(spec)
         if producer_state is not None and producer_id is None:
             raise ValueError("producer_state needs a producer_id")
         refs, rows = _compact_specs(specs)
@@ -516,12 +517,6 @@ class QueueState:
         if known is not None:
             return known
         task = self.current(lease, now)
-        if result_ref.payload_bytes > self.max_result_bytes or result_ref.tokens > self.max_result_tokens:
-            raise ResourceLimitExceeded(
-                f"result of task {lease.task_id!r} has {result_ref.payload_bytes} bytes and "
-                f"{result_ref.tokens} tokens; the queue accepts at most {self.max_result_bytes} and "
-                f"{self.max_result_tokens}"
-            )
         if result_ref.records == 0 and not task.spec.allow_empty:
             raise ValueError(f"task {lease.task_id!r} does not allow an empty result (allow_empty=False)")
         return {
@@ -649,11 +644,7 @@ class QueueState:
             return Answer(list(reply[1]))
         for update, item in zip(updates, normal, strict=True):
             task = self.current(update["lease"], now, allow_expired=True)
-            spec = _replace_spec(task.spec, item)  # validates priority range and metadata
-            if len(encode(spec.metadata)) > self.metadata_bytes:
-                raise ResourceLimitExceeded(
-                    f"task {spec.task_id!r}: metadata over {self.metadata_bytes} bytes"
-                )
+            _check_task_metadata(_replace_spec(task.spec, item))  # validates priority and metadata
         if len({item["task_id"] for item in normal}) != len(normal):
             raise ValueError("yield_tasks got the same task twice")
         return {"op": "yield", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
@@ -966,6 +957,8 @@ class QueueState:
 
     def _apply_register_checkpoint(self, event: Event) -> dict[str, Any]:
         entry = {"checkpoint_id": event["checkpoint_id"], "checkpoint_ref": event["checkpoint_ref"]}
+        if event.get("batch_ids"):
+            entry["batch_ids"] = list(event["batch_ids"])  # what it trained on (accounting only)
         self.checkpoints[event["checkpoint_id"]] = entry
         return entry
 
@@ -978,7 +971,11 @@ class QueueState:
         """Perform one event (live or replayed). Unknown ops are a bug or a newer journal."""
         handler = _APPLY.get(event.get("op", ""))
         invariant(handler is not None, f"event op {event.get('op')!r} is known")
-        return handler(self, event)  # type: ignore[misc]
+        reply = handler(self, event)  # type: ignore[misc]
+        reach = event.get("reach")
+        if reach:
+            self.ref_packs.update(reach)
+        return reply
 
     # ------------------------------------------------------------------ GC roots
 
@@ -1013,6 +1010,21 @@ class QueueState:
         refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
         return refs, packs
 
+    def known_reach(self, refs: Iterable[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], set[str]]:
+        """Split root references into those whose packs were journaled (their packs, returned)
+        and those still to resolve (named before packs were journaled with references)."""
+        unknown = []
+        packs: set[str] = set()
+        for ref in refs:
+            known = self.ref_packs.get(ref_key(ref))
+            if known is None:
+                unknown.append(ref)
+            elif known == 0:
+                packs.add(ref["manifest"]["segment"]["path"])
+            else:
+                packs.update(known)  # type: ignore[arg-type]
+        return unknown, packs
+
     # ------------------------------------------------------------------ views
 
     def usage(self, acknowledged: Callable[[int], bool], finished: frozenset[str]) -> dict[str, Any]:
@@ -1038,9 +1050,12 @@ class QueueState:
             reserved["bytes"] += task.spec.estimated_bytes
             reserved["tokens"] += task.spec.estimated_tokens
         ready = {"records": 0, "bytes": 0, "tokens": 0}
+        trained = set(finished)
+        for entry in self.checkpoints.values():
+            trained.update(entry.get("batch_ids", ()))
         for batch_id, batch in self.batches.items():
             ref = batch.get("ready_ref")
-            if batch.get("ready") and ref is not None and batch_id not in finished:
+            if batch.get("ready") and ref is not None and batch_id not in trained:
                 ready["records"] += ref["records"]
                 ready["bytes"] += ref["payload_bytes"]
                 ready["tokens"] += ref["tokens"]
@@ -1063,6 +1078,23 @@ class QueueState:
                 continue
             out.append(spec)
         return out
+
+
+def _check_task_metadata(spec: TaskSpec) -> None:
+    """A task's metadata is bounded by what a journal frame holds (TASK_METADATA_BYTES_MAX);
+    ``Limits.metadata_bytes`` is an identity field of the queue, not a quota (API.md 2)."""
+    size = len(encode(spec.metadata)) if spec.metadata else 2
+    if size > TASK_METADATA_BYTES_MAX:
+        raise ResourceLimitExceeded(
+            f"task {spec.task_id!r}: metadata is {size} bytes, the limit is {TASK_METADATA_BYTES_MAX}"
+        )
+
+
+def ref_key(ref: Mapping[str, Any]) -> str:
+    """A record set reference's identity in ``QueueState.ref_packs``: its manifest's place."""
+    manifest = ref["manifest"]
+    segment = manifest["segment"]
+    return f"{segment['path']}@{segment['offset']}#{manifest['ordinal']}"
 
 
 def journal_body(event: Event) -> bytes:
@@ -1129,6 +1161,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "batches": state.batches,
         "checkpoints": state.checkpoints,
         "released": [state.released_cursor, sorted(state.released_positions)],
+        "ref_packs": state.ref_packs,
     }
 
 
@@ -1227,6 +1260,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
     state.batches = dict(data["batches"])
     state.checkpoints = dict(data["checkpoints"])
+    state.ref_packs = dict(data.get("ref_packs", {}))  # absent in older snapshots: roots are read
     released = data.get("released", [0, []])  # absent in snapshots written before released history
     state.released_cursor, state.released_positions = int(released[0]), frozenset(released[1])
     return state
