@@ -165,6 +165,14 @@ JOURNAL_SYNCS_IN_FLIGHT = 2
 #: pending list, and the catalog frame that records it, small.
 ADOPTIONS_PENDING_MAX = 4096
 
+#: Largest request body the control transport (straw.rpc) reads: control messages only,
+#: but a task's metadata may be large (TASK_METADATA_BYTES_MAX bounds one task; a request of
+#: many tasks is bounded here, so one client cannot make the server buffer without end).
+RPC_REQUEST_BYTES_MAX = 256 * MiB
+
+#: Seconds a control-transport connection may stay silent before the server drops it.
+RPC_SOCKET_SECONDS = 30.0
+
 #: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
 QUEUE_ID_BYTES_MAX = 1 * KiB
 
