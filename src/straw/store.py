@@ -823,6 +823,7 @@ class SharedFilesystemStore:
             pending = self._pending
             if pending is not None:
                 return cast(R, self._resolve_pending(pending, submission_id, remembered))
+            began, written_before = time.perf_counter(), self._writer.bytes_written
             try:
                 segment = self._writer.write(entries, submission_id, manifests)
             except CommitUncertain as uncertain:
@@ -839,6 +840,8 @@ class SharedFilesystemStore:
                 raise posix.storage_error(error, f"publishing submission {submission_id!r}") from error
             value = result(segment)
             self._account(entries, kind)
+            if tracing.enabled():
+                self._trace_write(entries, self._writer.bytes_written - written_before, began)
             remembered = _Remembered(kind, fingerprint, value)
             try:
                 self.backend.fault("after_publish")
@@ -852,6 +855,14 @@ class SharedFilesystemStore:
                 raise
             self._remember(submission_id, remembered)
             return value
+
+    def _trace_write(self, entries: Sequence[Entry], extent_bytes: int, began: float) -> None:
+        """One ``write`` trace event: the extent's bytes and each record's size, codec and tokens
+        (manifests under their ``straw.`` codec, which profiles leave out of payload bytes)."""
+        sizes = [(len(encode(e.inline)) if e.inline is not None else e.payload.nbytes, e.codec, e.tokens)
+                 for e in entries]  # fmt: skip
+        tracing.emit("write", root=self.backend.root, size=extent_bytes,
+                     seconds=time.perf_counter() - began, records=sizes)  # fmt: skip
 
     def _recheck(
         self, segment: SegmentRef, submission_id: str, remembered: _Remembered, error: OSError
