@@ -784,6 +784,15 @@ class Coordinator:
         receipts = self._query(lambda: [(self._state.commits[p], self._state.commit_packs[p]) for p in back])
         refs = [RecordSetRef.from_dict(receipt["result_ref"]) for receipt, _ in receipts]
         packs = self.store.reach(refs)  # missing -> StorageUnavailable, damaged -> CorruptData
+        # Only history something still protects (a retained checkpoint owns its packs) can be
+        # taken back: bytes that merely survived, unowned, may be collected at any moment (as
+        # the peer decides). Checked before the journal or any owner changes.
+        unowned = self.store.unowned(packs)
+        if unowned:
+            raise InvalidReference(
+                f"cannot restore positions {sorted(back)}: their results were released and nothing "
+                f"owns {sorted(unowned)[:3]} (retain a checkpoint that depends on them before acknowledging)"
+            )
         for _, known in receipts:
             packs.update(known)
         return acked, frozenset(back), packs

@@ -1163,6 +1163,14 @@ class SharedFilesystemStore:
         answer["exists"] = posix.exists(self.backend.resolve(pack))
         return answer
 
+    def unowned(self, packs: Iterable[str]) -> set[str]:
+        """Those of ``packs`` that no owner in the catalog holds right now."""
+        wanted = set(packs)
+        with self._catalog.locked() as catalog:
+            for held in catalog.state.owners.values():
+                wanted -= held
+        return wanted
+
     def _owned(self, owner: str) -> set[str]:
         with self._catalog.locked() as catalog:
             return set(catalog.state.owners.get(owner, set()))

@@ -152,7 +152,9 @@ def _attach_environment() -> None:
             attach(root)
 
 
-def _pool_of(ref: RecordRef) -> _Pool:
+def _pool_of(ref: RecordRef, root: str | None = None) -> _Pool:
+    """The attached pool that holds ``ref``'s writer; else the pool at ``root`` (where the
+    reference was published), attached now; else the only attached pool."""
     segment = ref.segment
     parts = segment.path.split("/") if isinstance(segment.path, str) else []
     writer = parts[1] if len(parts) == 3 else ""
@@ -168,6 +170,9 @@ def _pool_of(ref: RecordRef) -> _Pool:
                 _writers.clear()
             _writers[writer] = holding[0]
         return holding[0]
+    if root is not None and root not in _pools:
+        attach(root)
+        return _pools[root]
     if len(pools) == 1:
         return pools[0]  # not visible yet on this client: the read retries, then reports it
     if not pools:
@@ -181,7 +186,9 @@ def _pool_of(ref: RecordRef) -> _Pool:
     )
 
 
-def reader_for(ref: RecordRef, reader: ReadSession | SharedFilesystemStore | None = None) -> ReadSession:
+def reader_for(
+    ref: RecordRef, reader: ReadSession | SharedFilesystemStore | None = None, root: str | None = None
+) -> ReadSession:
     """The read session to use for ``ref``: ``reader`` itself, or a session of an attached pool."""
     if isinstance(reader, ReadSession):
         return reader
@@ -194,7 +201,7 @@ def reader_for(ref: RecordRef, reader: ReadSession | SharedFilesystemStore | Non
         )
     if not isinstance(ref, RecordRef):
         raise InvalidReference(f"expected a RecordRef, got {type(ref).__name__}")
-    return _pool_of(ref).session(ref.segment.run_id)
+    return _pool_of(ref, root).session(ref.segment.run_id)
 
 
 @contextlib.contextmanager
@@ -336,8 +343,10 @@ def _describe(
 class TensorRef:
     """A published tensor: shape, dtype, byte count, kind and where its record is.
 
-    Small and picklable (no file handle, no absolute path). ``record_set`` and ``ordinal``
-    name the publication it came from when known, so :meth:`share` writes nothing.
+    Small and picklable (no file handle). ``record_set`` and ``ordinal`` name the publication
+    it came from when known, so :meth:`share` writes nothing. ``root`` is the pool's mount path
+    where it was published: a process with no pool attached reads from there (issue 10 item
+    15), while an attached pool or ``STRAW_POOL_ROOTS`` that holds the writer comes first.
     """
 
     record_ref: RecordRef
@@ -347,6 +356,7 @@ class TensorRef:
     kind: str
     record_set: RecordSetRef | None = None
     ordinal: int = 0
+    root: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.shape) is not tuple:  # a hand-made reference may pass a list
@@ -384,7 +394,7 @@ class TensorRef:
     def path(self) -> str:
         """The absolute path of the pack holding the tensor, in the pool this process reads it
         from (for tools; reads go through the store and verify every byte)."""
-        return _pool_of(self.record_ref).backend.resolve(self.record_ref.segment.path)
+        return _pool_of(self.record_ref, self.root).backend.resolve(self.record_ref.segment.path)
 
     # -- checks ------------------------------------------------------------------------
 
@@ -414,7 +424,7 @@ class TensorRef:
         """The whole tensor (CPU), read straight into freshly allocated storage and verified."""
         torch = _torch()
         with naming(self.what):
-            session = reader_for(self.record_ref, reader)
+            session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
             try:
                 out = torch.empty(self.shape, dtype=getattr(torch, self.dtype), pin_memory=pin_memory)
@@ -434,7 +444,7 @@ class TensorRef:
         if self.dtype == "bfloat16":
             raise UnsupportedSchema(f"{self.what} is bfloat16, which NumPy lacks; use load()")
         with naming(self.what):
-            session = reader_for(self.record_ref, reader)
+            session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
             out = np.empty(self.shape, dtype=_STORAGE[self.dtype])
             if self.nbytes:
@@ -464,7 +474,7 @@ class TensorRef:
         storage = _STORAGE[self.dtype]
         row_bytes = math.prod(self.shape[1:]) * storage.itemsize
         with naming(self.what):
-            session = reader_for(self.record_ref, reader)
+            session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
             if not row_bytes * (stop - start):
                 return torch.empty(shape, dtype=getattr(torch, self.dtype))
@@ -545,11 +555,16 @@ class TensorRef:
 
     @classmethod
     def from_entry(
-        cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int
+        cls,
+        ref: RecordRef,
+        entry: Any,
+        record_set: RecordSetRef | None,
+        ordinal: int,
+        root: str | None = None,
     ) -> TensorRef:
         """A reference from a verified index entry (``ReadSession.locate(...).entry``)."""
         dtype, shape, kind = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
-        return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal)
+        return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal, root)
 
 
 # --------------------------------------------------------------------------- publishing
@@ -607,6 +622,6 @@ def publish_tensors(
     attach(store)
     members = store.validate(ref)
     return [
-        TensorRef(member, shape, dtype, nbytes, kind, ref, ordinal)
+        TensorRef(member, shape, dtype, nbytes, kind, ref, ordinal, str(store.backend.root))
         for ordinal, (member, (dtype, shape, nbytes, kind)) in enumerate(zip(members, described, strict=True))
     ]

@@ -430,22 +430,29 @@ def test_loading_after_the_pack_was_deleted_names_the_reference(
 # --------------------------------------------------------------------------- references and pools
 
 
-def test_a_reference_pickles_small_without_paths_or_handles(
+def test_a_reference_pickles_small_with_its_pool_root_and_no_handles(
     store: SharedFilesystemStore, tmp_path: Path
 ) -> None:
+    # Issue 10 item 15: a reference names the mount path it was published under, so it
+    # loads in a process that attached nothing.
     (ref,) = publish_tensors(store, {"routes": torch.arange(4)}, submission_id="pickle")
     data = pickle.dumps(ref)
     assert len(data) < 1024
-    assert str(tmp_path).encode() not in data
+    assert ref.root == str(tmp_path) and str(tmp_path).encode() in data
     copy = pickle.loads(data)
     assert copy == ref and torch.equal(copy.load(), torch.arange(4))
 
 
-def test_loading_needs_an_attached_pool_or_a_reader(store: SharedFilesystemStore, tmp_path: Path) -> None:
+def test_loading_uses_the_published_root_an_attached_pool_or_a_reader(
+    store: SharedFilesystemStore, tmp_path: Path
+) -> None:
     (ref,) = publish_tensors(store, {"x": torch.arange(3)}, submission_id="pools")
     detach(tmp_path)
+    assert torch.equal(ref.load(), torch.arange(3))  # from ref.root, attached on the way
+    detach(tmp_path)
+    rootless = dataclasses.replace(ref, root=None)  # e.g. made by hand from a RecordRef
     with pytest.raises(InvalidReference, match=r"no pool is attached.*STRAW_POOL_ROOTS"):
-        ref.load()
+        rootless.load()
     with store.read_session() as session:
         assert torch.equal(ref.load(reader=session), torch.arange(3))
     assert torch.equal(ref.load(reader=store), torch.arange(3))
@@ -473,9 +480,10 @@ def test_with_several_pools_the_one_holding_the_writer_is_chosen(tmp_path: Path)
     for s in stores:
         s.close()
     detach(tmp_path / "a")
+    attach(tmp_path / "c")
     with pytest.raises(InvalidReference, match="none of the attached pools"):
-        attach(tmp_path / "c")
-        refs[0].load()
+        dataclasses.replace(refs[0], root=None).load()
+    assert torch.equal(refs[0].load(), torch.full((2,), 0))  # its own root, attached again
 
 
 def test_a_reader_of_another_run_is_refused(store: SharedFilesystemStore, tmp_path: Path) -> None:

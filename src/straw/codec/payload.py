@@ -39,6 +39,9 @@ class PayloadRef:
     """
 
     ref: RecordSetRef
+    #: The pool's mount path where it was published: read from there when no attached pool
+    #: (or STRAW_POOL_ROOTS) holds it, so a pickled reference loads in a fresh process.
+    root: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ref, RecordSetRef):
@@ -52,7 +55,7 @@ class PayloadRef:
         """The sample, checksum-verified. Tensors come back as lazy TensorRefs unless ``materialize``."""
         what = f"sample {self.ref.digest[:16]} ({self.ref.manifest.segment.path}#{self.ref.manifest.ordinal})"
         with naming(what):
-            session = reader_for(self.ref.manifest, reader)
+            session = reader_for(self.ref.manifest, reader, self.root)
             resolved = session.resolve(self.ref)
             if not resolved.records:
                 raise InvalidReference(f"{what} is an empty record set, not a sample")
@@ -63,7 +66,7 @@ class PayloadRef:
                     raise UnsupportedSchema(f"{what} has codec {codec!r}; this straw reads {SAMPLE_CODEC}")
                 raise InvalidReference(f"{what} is not a sample publication (its first record is {codec!r})")
             document = decode(session.read_record(head.ref()).payload)
-            return decode_sample(document, _StoreDecoder(session, self.ref, resolved, materialize))
+            return decode_sample(document, _StoreDecoder(session, self.ref, resolved, materialize, self.root))
 
 
 def load(ref: PayloadRef | RecordSetRef, *, reader: Reader = None, materialize: bool = False) -> Any:
@@ -158,7 +161,7 @@ def publish(
     dependencies = [d for d in publication.dependencies if isinstance(d, RecordSetRef)]
     ref = store.publish(publication.records, submission_id=submission_id, dependencies=dependencies)
     attach(store)
-    return PayloadRef(ref)
+    return PayloadRef(ref, str(store.backend.root))
 
 
 def publish_many(
@@ -178,14 +181,18 @@ def publish_many(
     _check_codecs(store, codecs)
     refs = store.publish_many(publications, submission_id=submission_id)
     attach(store)
-    return [PayloadRef(ref) for ref in refs]
+    root = str(store.backend.root)
+    return [PayloadRef(ref, root) for ref in refs]
 
 
 # --------------------------------------------------------------------------- loading
 
 
 class _StoreDecoder(Decoder):
-    def __init__(self, session: ReadSession, ref: RecordSetRef, resolved: Any, materialize: bool) -> None:
+    def __init__(
+        self, session: ReadSession, ref: RecordSetRef, resolved: Any, materialize: bool, root: str | None
+    ) -> None:
+        self.root = root
         self.session = session
         self.ref = ref
         self.records = resolved.records
@@ -199,7 +206,7 @@ class _StoreDecoder(Decoder):
             )
         located = self.records[ordinal]
         if tag in ("ndarray", "tensor"):
-            tensor = TensorRef.from_entry(located.ref(), located.entry, self.ref, ordinal)
+            tensor = TensorRef.from_entry(located.ref(), located.entry, self.ref, ordinal, self.root)
             if not self.materialize:
                 return tensor
             return tensor.numpy(reader=self.session) if tag == "ndarray" else tensor.load(reader=self.session)
@@ -217,7 +224,7 @@ class _StoreDecoder(Decoder):
             )
         dependency = self.dependencies[index]
         if tag == "payload":
-            return PayloadRef(dependency)
+            return PayloadRef(dependency, self.root)
         ordinal = node["o"]
         records = self.session.resolve(dependency).records
         if type(ordinal) is not int or not 0 <= ordinal < len(records):
@@ -225,7 +232,7 @@ class _StoreDecoder(Decoder):
                 f"sample document names tensor {ordinal!r} of a publication of {len(records)} records"
             )
         located = records[ordinal]
-        tensor = TensorRef.from_entry(located.ref(), located.entry, dependency, ordinal)
+        tensor = TensorRef.from_entry(located.ref(), located.entry, dependency, ordinal, self.root)
         return tensor.load(reader=self.session) if self.materialize else tensor
 
 
