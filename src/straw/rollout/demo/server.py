@@ -1,0 +1,867 @@
+"""A loopback HTTP inference server for the demo policy, speaking SGLang's and vLLM's APIs.
+
+:class:`PolicyServer` serves a :class:`~straw.rollout.demo.policy.DemoPolicy` on 127.0.0.1
+(never another address) through two wire protocols, so the engine generators of
+``straw.rollout.generators`` are tested against real HTTP exactly as they talk to real
+engines. Requests share one engine loop that advances every running request by one token per
+batched forward pass (continuous batching); an abort or a weight update therefore takes
+effect between two tokens, and an aborted request answers at once with what it generated.
+
+SGLang native API (the fields honoured; others are ignored unless listed as refused):
+
+- ``POST /generate`` with ``input_ids`` (one prompt as a list of token ids), optional ``rid``,
+  ``sampling_params`` {``max_new_tokens`` (default: up to the position limit), ``temperature``
+  (1.0), ``sampling_seed``, ``stop_token_ids``, ``ignore_eos``; ``top_p`` other than 1 and
+  ``top_k`` other than -1/0 are refused}, ``return_logprob``, ``return_routed_experts``,
+  ``routed_experts_start_len``. ``text`` prompts, batches and ``stream`` are refused (400).
+  The answer is ``{text, output_ids, meta_info}``; ``meta_info`` holds ``id``,
+  ``finish_reason`` (``{"type": "stop", "matched": id}``, ``{"type": "length", "length":
+  n}`` or ``{"type": "abort", "message": ...}``), ``prompt_tokens``, ``completion_tokens``,
+  ``cached_tokens`` (0), ``weight_version``, ``e2e_latency``, with ``return_logprob``
+  ``output_token_logprobs`` as ``[logprob, token_id, null]`` triples, and with
+  ``return_routed_experts`` ``routed_experts``: base64 of the int32 routes of positions
+  ``[routed_experts_start_len, prompt + output - 1)``, shape ``[rows, layers, top_k]``.
+- ``POST /abort_request`` ``{"rid": ..., "abort_all": bool}``: the named (or every) running
+  request stops and answers with its partial output and finish type ``abort``.
+- ``GET /get_weight_version``, ``GET /get_model_info`` (``weight_version``, ``model_path``,
+  ``is_generation``), ``POST /update_weight_version`` ``{"new_version",
+  "abort_all_requests"}``, ``POST /update_weights_from_disk`` ``{"model_path",
+  "weight_version"}`` (a ``torch.save``-d dict of tensors; running requests are aborted
+  first), ``GET /health``, ``GET /health_generate``. Errors are
+  ``{"object": "error", "message", "type", "code"}``.
+
+OpenAI-compatible API, as vLLM serves it:
+
+- ``POST /v1/completions`` with ``prompt`` (one list of token ids), optional ``model`` (must
+  name the served model), ``max_tokens`` (16), ``temperature`` (1.0), ``seed``, ``logprobs``
+  (k: ``token_logprobs`` and the ``top_logprobs`` of the k best tokens), ``stop_token_ids``,
+  ``ignore_eos``, ``return_token_ids`` (``token_ids`` and ``prompt_token_ids`` in the
+  choice), ``return_tokens_as_token_ids`` (``tokens`` as ``"token_id:<id>"``),
+  ``routed_experts_prompt_start`` and ``stream`` (server-sent events ending in ``data:
+  [DONE]``; ``stream_options.include_usage``). ``n`` other than 1, text prompts and batches
+  are refused. A choice has ``index``, ``text``, ``logprobs`` (``text_offset``,
+  ``token_logprobs``, ``tokens``, ``top_logprobs``), ``finish_reason`` (``stop``, ``length``
+  or ``abort``), ``stop_reason`` and, when not streaming, ``routed_experts`` (base64 of
+  ``.npy`` bytes, uint8, shape ``[prompt + output - 1 - start, layers, top_k]``). A client
+  that disconnects aborts its request, as vLLM does. Errors are ``{"error": {"message",
+  "type", "param", "code"}}``. ``GET /v1/models`` lists the model.
+
+For tests the server can park requests once they have generated a given number of tokens
+(:meth:`PolicyServer.park_at`, :meth:`PolicyServer.wait_parked`) and inject faults into the
+next generation requests (:meth:`PolicyServer.inject`): refusal (503), an error after
+generating (500), malformed JSON, or a dropped connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from aiohttp import web
+
+from . import task
+from .policy import Decoding, DemoPolicy, _step_together, import_weights
+
+__all__ = ["FAULTS", "PolicyServer"]
+
+_log = logging.getLogger("straw.rollout.demo.server")
+
+LOOPBACK = "127.0.0.1"
+
+#: Faults :meth:`PolicyServer.inject` can apply to the next generation requests.
+FAULTS = frozenset({"unavailable", "error_after_generate", "malformed_json", "disconnect"})
+
+#: Request bodies remembered for tests (the most recent ones).
+_SEEN_MAX = 1000
+
+
+class _BadRequest(Exception):
+    """A request the server refuses (HTTP 400, or the given status)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Request:
+    """One generation in the engine loop."""
+
+    rid: str
+    decoding: Decoding
+    done: asyncio.Future[None]
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    version: str | None = None  # the weight version of its tokens, fixed at its first step
+    abort_requested: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return self.done.done()
+
+
+class PolicyServer:
+    """Serves one policy over HTTP on 127.0.0.1 (see the module docstring for the APIs).
+
+    Use ``async with PolicyServer(policy) as server:`` (or ``await start()`` / ``await
+    close()``) inside a running event loop; ``server.url`` is the base URL. ``port=0`` picks a
+    free port. At most ``max_running`` generations run at once; more are refused with 503.
+    """
+
+    def __init__(
+        self,
+        policy: DemoPolicy,
+        *,
+        weight_version: str = "0",
+        model: str = "straw-demo",
+        port: int = 0,
+        max_running: int = 256,
+    ) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        self.policy = policy
+        self.weight_version = weight_version
+        self.model = model
+        self.max_running = max_running
+        self._port = port
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self._parked = asyncio.Condition()
+        self._model_lock = asyncio.Lock()
+        self._loading = False
+        self._closing = False
+        self._running: dict[str, _Request] = {}
+        self._park_at: int | None = None
+        self._faults: deque[str] = deque()
+        self._ids = itertools.count()
+        #: Bodies of the most recent generation requests, oldest first (for tests).
+        self.seen: deque[tuple[str, dict[str, Any]]] = deque(maxlen=_SEEN_MAX)
+        #: Counters: ``generate``, ``completions``, ``aborted``, ``finished``, ``faults``.
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("generate", "completions", "aborted", "finished", "faults"), 0
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        if self._runner is None or not self._runner.addresses:
+            raise RuntimeError("PolicyServer is not started")
+        port = self._runner.addresses[0][1]
+        return f"http://{LOOPBACK}:{port}"
+
+    async def start(self) -> str:
+        """Listen on 127.0.0.1 and start the engine loop; returns the base URL."""
+        if self._runner is not None:
+            raise RuntimeError("PolicyServer is already started")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="straw-demo-engine")
+        self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.add_routes(self._routes())
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+        # generation (what SGLang and vLLM do when a caller goes away).
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, LOOPBACK, self._port)
+        await self._site.start()
+        return self.url
+
+    async def close(self) -> None:
+        """Abort every request, stop listening and stop the engine loop (idempotent)."""
+        if self._runner is None:
+            return
+        self._closing = True
+        self._abort_matching(lambda r: True)
+        self._changed.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        await self._runner.cleanup()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._runner = self._site = None
+
+    async def __aenter__(self) -> PolicyServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ controls
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: str) -> int:
+        """Abort running requests, load ``weights`` between two steps, serve as ``version``.
+
+        Returns how many requests were aborted. Requests that arrive meanwhile start under
+        the new weights.
+        """
+        self._loading = True
+        try:
+            aborted = self._abort_matching(lambda r: True)
+            async with self._model_lock:
+                await self._in_engine(import_weights, self.policy, weights)
+                self.weight_version = str(version)
+        finally:
+            self._loading = False
+            self._changed.set()
+        return aborted
+
+    def park_at(self, tokens: int | None) -> None:
+        """Stop advancing requests once they have ``tokens`` new tokens (None: run freely)."""
+        if tokens is not None and tokens < 0:
+            raise ValueError(f"park_at takes a token count >= 0 or None, got {tokens}")
+        self._park_at = tokens
+        self._changed.set()
+
+    async def wait_parked(self, count: int, *, timeout: float = 30.0) -> None:
+        """Wait until ``count`` requests are parked (see :meth:`park_at`)."""
+        async with self._parked:
+            await asyncio.wait_for(self._parked.wait_for(lambda: self._parked_count() >= count), timeout)
+
+    async def wait_idle(self, *, timeout: float = 30.0) -> None:
+        """Wait until no request is running (every one finished or aborted)."""
+        async with self._parked:
+            await asyncio.wait_for(self._parked.wait_for(lambda: not self._running), timeout)
+
+    def inject(self, fault: str, count: int = 1) -> None:
+        """Apply ``fault`` (one of :data:`FAULTS`) to the next ``count`` generation requests."""
+        if fault not in FAULTS:
+            raise ValueError(f"Unknown fault {fault!r}; expected one of {sorted(FAULTS)}")
+        self._faults.extend([fault] * count)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ engine loop
+
+    def _parked_count(self) -> int:
+        limit = self._park_at
+        if limit is None:
+            return 0
+        return sum(
+            1 for r in self._running.values() if len(r.decoding.new_tokens) >= limit and not r.finished
+        )
+
+    def _runnable(self) -> list[_Request]:
+        limit = self._park_at
+        return [
+            r
+            for r in self._running.values()
+            if not r.finished and (limit is None or len(r.decoding.new_tokens) < limit)
+        ]
+
+    async def _engine_loop(self) -> None:
+        while True:
+            self._changed.clear()
+            self._apply_aborts()
+            if self._closing and not self._running:
+                return
+            batch = [] if self._loading else self._runnable()
+            await self._notify_parked()
+            if not batch:
+                await self._changed.wait()
+                continue
+            async with self._model_lock:
+                for r in batch:
+                    r.version = r.version or self.weight_version
+                try:
+                    await self._in_engine(_step_together, self.policy, [r.decoding for r in batch])
+                except Exception as error:  # a broken step fails its requests, not the server
+                    _log.exception("generation step failed")
+                    for r in batch:
+                        r.done.set_exception(error)
+                        self._running.pop(r.rid, None)
+                    continue
+            for r in batch:
+                r.progress.set()
+                if r.decoding.done:
+                    self._finish(r)
+
+    async def _notify_parked(self) -> None:
+        async with self._parked:
+            self._parked.notify_all()
+
+    async def _in_engine(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Run model code on the engine thread (one at a time, off the event loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, function, *args)
+
+    def _apply_aborts(self) -> None:
+        for r in list(self._running.values()):
+            if r.abort_requested and not r.finished:
+                r.decoding.abort()
+                self.stats["aborted"] += 1
+                self._finish(r)
+
+    def _abort_matching(self, match: Callable[[_Request], bool]) -> int:
+        count = 0
+        for r in self._running.values():
+            if not r.finished and not r.abort_requested and match(r):
+                r.abort_requested = True
+                count += 1
+        self._changed.set()
+        return count
+
+    def _finish(self, r: _Request) -> None:
+        self._running.pop(r.rid, None)
+        if not r.finished:
+            r.done.set_result(None)
+            self.stats["finished"] += 1
+        r.progress.set()
+
+    async def _run(self, decoding: Decoding, rid: str | None) -> _Request:
+        """Admit one generation; the caller awaits ``done`` or follows ``progress``."""
+        if self._closing:
+            raise _BadRequest("Server is shutting down", 503)
+        if len(self._running) >= self.max_running:
+            raise _BadRequest(f"Server busy: {self.max_running} requests running", 503)
+        rid = rid or f"{uuid.uuid4().hex}-{next(self._ids)}"
+        if rid in self._running:
+            raise _BadRequest(f"Request id {rid!r} is already running")
+        r = _Request(rid, decoding, asyncio.get_running_loop().create_future())
+        if decoding.done:  # nothing to generate (budget 0 or position limit)
+            r.version = self.weight_version
+            r.done.set_result(None)
+            return r
+        self._running[rid] = r
+        self._changed.set()
+        return r
+
+    async def _follow(self, r: _Request) -> None:
+        """Wait for ``r`` to finish; if the handler is cancelled (client gone), abort it."""
+        try:
+            await asyncio.shield(r.done)
+        except asyncio.CancelledError:
+            r.abort_requested = True
+            self._changed.set()
+            raise
+
+    # ------------------------------------------------------------------ routes
+
+    def _routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/generate", self._guard(self._generate, native=True)),
+            web.put("/generate", self._guard(self._generate, native=True)),
+            web.post("/abort_request", self._guard(self._abort_request, native=True)),
+            web.get("/get_weight_version", self._guard(self._get_weight_version, native=True)),
+            web.get("/get_model_info", self._guard(self._get_model_info, native=True)),
+            web.post("/update_weight_version", self._guard(self._update_weight_version, native=True)),
+            web.post("/update_weights_from_disk", self._guard(self._update_from_disk, native=True)),
+            web.get("/health", self._health),
+            web.get("/health_generate", self._health),
+            web.post("/v1/completions", self._guard(self._completions, native=False)),
+            web.get("/v1/models", self._guard(self._models, native=False)),
+        ]
+
+    def _guard(
+        self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]], *, native: bool
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """Turn refusals into the API's error JSON (SGLang's or OpenAI's shape)."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except _BadRequest as error:
+                return _error(str(error), error.status, native=native)
+
+        return guarded
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _get_weight_version(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def _get_model_info(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "model_path": self.model,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+            }
+        )
+
+    async def _update_weight_version(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            raise _BadRequest("new_version must be a string")
+        if body.get("abort_all_requests"):
+            self._abort_matching(lambda r: True)
+        self.weight_version = version
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
+
+    async def _update_from_disk(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        path, version = body.get("model_path"), body.get("weight_version")
+        if not isinstance(path, str) or (version is not None and not isinstance(version, str)):
+            raise _BadRequest("model_path must be a string and weight_version a string or null")
+        try:
+            weights = torch.load(Path(path), map_location="cpu", weights_only=True)
+            aborted = await self.update_weights(weights, version or self.weight_version)
+        except (OSError, ValueError, TypeError, RuntimeError) as error:
+            return web.json_response(
+                {"success": False, "message": str(error), "num_paused_requests": 0}, status=400
+            )
+        return web.json_response(
+            {"success": True, "message": f"Loaded {path}", "num_paused_requests": aborted}, status=200
+        )
+
+    async def _abort_request(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        rid = body.get("rid")
+        if body.get("abort_all"):
+            self._abort_matching(lambda r: True)
+        elif isinstance(rid, str):
+            self._abort_matching(lambda r: r.rid == rid)
+        elif isinstance(rid, list) and all(isinstance(x, str) for x in rid):
+            wanted = set(rid)
+            self._abort_matching(lambda r: r.rid in wanted)
+        else:
+            raise _BadRequest("abort_request needs rid (a string or list of strings) or abort_all")
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "straw",
+            "root": self.model,
+            "max_model_len": self.policy.config.max_positions,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    # ------------------------------------------------------------------ generation
+
+    async def _fault(self, request: web.Request, kind: str, body: dict[str, Any]) -> str | None:
+        """Take the next injected fault, if any; ``unavailable`` refuses before generating."""
+        self.seen.append((kind, body))
+        self.stats[kind] += 1
+        if not self._faults:
+            return None
+        fault = self._faults.popleft()
+        self.stats["faults"] += 1
+        if fault == "unavailable":
+            raise _BadRequest("Injected fault: server unavailable", 503)
+        return fault
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        fault = await self._fault(request, "generate", body)
+        decoding, start = self._native_decoding(body)
+        r = await self._run(decoding, _optional_str(body, "rid"))
+        await self._follow(r)
+        out = _native_answer(self, r, body, start)
+        return _faulty(request, fault) or web.json_response(out)
+
+    def _native_decoding(self, body: dict[str, Any]) -> tuple[Decoding, int]:
+        for refused in ("text", "input_embeds", "image_data"):
+            if body.get(refused) is not None:
+                raise _BadRequest(f"This server takes input_ids only, not {refused}")
+        if body.get("stream"):
+            raise _BadRequest("stream is not supported by this server's /generate")
+        tokens = _token_list(body.get("input_ids"), "input_ids", self.policy)
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise _BadRequest("sampling_params must be an object")
+        _refuse_nucleus(params.get("top_p"), params.get("top_k"))
+        start = _int_field(body, "routed_experts_start_len", 0)
+        seed = params.get("sampling_seed")
+        return (
+            _decoding(
+                self.policy,
+                tokens,
+                max_new_tokens=params.get("max_new_tokens"),
+                temperature=params.get("temperature", 1.0),
+                seed=seed,
+                stop_token_ids=params.get("stop_token_ids"),
+                ignore_eos=bool(params.get("ignore_eos", False)),
+                routes_start=start if body.get("return_routed_experts") else 0,
+            ),
+            start,
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        fault = await self._fault(request, "completions", body)
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise _BadRequest(f"The model `{model}` does not exist.", 404)
+        if body.get("n", 1) != 1 or body.get("use_beam_search"):
+            raise _BadRequest("This server generates one choice per request (n=1, no beam search)")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or (prompt and isinstance(prompt[0], list)):
+            raise _BadRequest(
+                "prompt must be one list of token ids (text prompts and batches are not served)"
+            )
+        tokens = _token_list(prompt, "prompt", self.policy)
+        _refuse_nucleus(body.get("top_p"), body.get("top_k"))
+        top = body.get("logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+            raise _BadRequest("logprobs must be an integer >= 0")
+        start = _int_field(body, "routed_experts_prompt_start", 0)
+        decoding = _decoding(
+            self.policy,
+            tokens,
+            max_new_tokens=body.get("max_tokens", 16),
+            temperature=body.get("temperature", 1.0),
+            seed=body.get("seed"),
+            stop_token_ids=body.get("stop_token_ids"),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            routes_start=start,
+            top_log_probs=min(top or 0, self.policy.config.vocab_size),
+        )
+        r = await self._run(decoding, _optional_str(body, "request_id"))
+        if body.get("stream"):
+            if fault == "error_after_generate":
+                await self._follow(r)
+                return _error("Injected fault: internal error after generating", 500, native=False)
+            return await _stream_completion(self, request, r, body, fault)
+        await self._follow(r)
+        out = _completion_answer(self, r, body, start)
+        return _faulty(request, fault) or web.json_response(out)
+
+
+# ---------------------------------------------------------------------- request parsing
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise _BadRequest(f"Request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest("Request body must be a JSON object")
+    return body
+
+
+def _optional_str(body: Mapping[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _BadRequest(f"{key} must be a string")
+    return value
+
+
+def _int_field(body: Mapping[str, Any], key: str, default: int) -> int:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _BadRequest(f"{key} must be an integer >= 0")
+    return value
+
+
+def _token_list(value: Any, name: str, policy: DemoPolicy) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise _BadRequest(f"{name} must be a non-empty list of token ids")
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise _BadRequest(f"{name} must hold integers only (batched prompts are not served)")
+    vocab = policy.config.vocab_size
+    if any(not 0 <= v < vocab for v in value):
+        raise _BadRequest(f"{name} has token ids outside [0, {vocab})")
+    if len(value) >= policy.config.max_positions:
+        raise _BadRequest(f"{name} has {len(value)} tokens; the model holds {policy.config.max_positions}")
+    return list(value)
+
+
+def _refuse_nucleus(top_p: Any, top_k: Any) -> None:
+    """Refuse sampling filters this engine does not implement, rather than ignore them."""
+    if top_p is not None and top_p != 1 and top_p != 1.0:
+        raise _BadRequest(f"top_p={top_p} is not supported (only 1.0)")
+    if top_k is not None and top_k not in (-1, 0):
+        raise _BadRequest(f"top_k={top_k} is not supported (only -1 or 0)")
+
+
+def _decoding(
+    policy: DemoPolicy,
+    tokens: list[int],
+    *,
+    max_new_tokens: Any,
+    temperature: Any,
+    seed: Any,
+    stop_token_ids: Any,
+    ignore_eos: bool,
+    routes_start: int,
+    top_log_probs: int = 0,
+) -> Decoding:
+    room = policy.config.max_positions - len(tokens)
+    if max_new_tokens is None:
+        max_new_tokens = room
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise _BadRequest("max_new_tokens / max_tokens must be an integer >= 0")
+    if temperature is None:
+        temperature = 1.0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise _BadRequest("temperature must be a number")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _BadRequest("the sampling seed must be an integer")
+    stops = set() if ignore_eos else {task.EOS}
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, list) or any(not isinstance(t, int) for t in stop_token_ids):
+            raise _BadRequest("stop_token_ids must be a list of integers")
+        stops |= set(stop_token_ids)
+    if routes_start > len(tokens):
+        raise _BadRequest(
+            f"the routed-experts start ({routes_start}) exceeds the prompt ({len(tokens)} tokens)"
+        )
+    try:
+        return Decoding(
+            policy,
+            tokens,
+            max_new_tokens=min(max_new_tokens, room),
+            temperature=float(temperature),
+            seed=seed,
+            stop_tokens=sorted(stops),
+            routes_start=routes_start,
+            top_log_probs=top_log_probs,
+        )
+    except ValueError as error:
+        raise _BadRequest(str(error)) from None
+
+
+# ---------------------------------------------------------------------- answers
+
+
+def _error(message: str, status: int, *, native: bool) -> web.Response:
+    if native:
+        body: dict[str, Any] = {
+            "object": "error",
+            "message": message,
+            "type": _reason(status),
+            "code": status,
+        }
+    else:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _reason(status: int) -> str:
+    return {400: "BadRequest", 404: "NotFound", 503: "ServiceUnavailable"}.get(status, "Error")
+
+
+def _faulty(request: web.Request, fault: str | None) -> web.StreamResponse | None:
+    """The response an injected post-generation fault replaces the real one with."""
+    if fault == "error_after_generate":
+        return _error("Injected fault: internal error after generating", 500, native=True)
+    if fault == "malformed_json":
+        return web.Response(status=200, text='{"text": "truncated', content_type="application/json")
+    if fault == "disconnect":
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=200)
+    return None
+
+
+def _routes_of(r: _Request) -> np.ndarray[Any, Any]:
+    routes = r.decoding.result().routes
+    if routes is None:
+        return np.zeros((0, 0, 0), dtype=np.int32)
+    return routes.numpy().astype(np.int32)
+
+
+def _native_finish(r: _Request) -> dict[str, Any]:
+    d = r.decoding
+    if d.finish == "stop":
+        return {"type": "stop", "matched": d.new_tokens[-1]}
+    if d.finish == "abort":
+        return {"type": "abort", "message": "Abort request"}
+    return {"type": "length", "length": len(d.new_tokens)}
+
+
+def _native_answer(server: PolicyServer, r: _Request, body: Mapping[str, Any], start: int) -> dict[str, Any]:
+    d = r.decoding
+    meta: dict[str, Any] = {
+        "id": r.rid,
+        "finish_reason": _native_finish(r),
+        "prompt_tokens": d.prefix_length,
+        "completion_tokens": len(d.new_tokens),
+        "cached_tokens": 0,
+        "weight_version": r.version or server.weight_version,
+        "e2e_latency": time.monotonic() - r.created,
+    }
+    if body.get("return_logprob"):
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(d.log_probs, d.new_tokens, strict=True)
+        ]
+        meta["input_token_logprobs"] = []
+    if body.get("return_routed_experts") and d.new_tokens:
+        meta["routed_experts"] = base64.b64encode(_routes_of(r).tobytes()).decode("ascii")
+        meta["routed_experts_start_len"] = start
+    return {
+        "text": "".join(task.piece(t) for t in d.new_tokens),
+        "output_ids": list(d.new_tokens),
+        "meta_info": meta,
+    }
+
+
+def _openai_finish(r: _Request) -> tuple[str, int | None]:
+    d = r.decoding
+    if d.finish == "stop":
+        return "stop", d.new_tokens[-1]
+    return ("abort" if d.finish == "abort" else "length"), None
+
+
+def _logprobs_block(
+    d: Decoding, first: int, body: Mapping[str, Any], text_before: str
+) -> dict[str, Any] | None:
+    """The ``logprobs`` object for new tokens ``first..`` (None when not asked for)."""
+    if body.get("logprobs") is None:
+        return None
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+
+    def name(token: int) -> str:
+        return f"token_id:{token}" if as_ids else task.token_name(token)
+
+    tokens = d.new_tokens[first:]
+    offsets, text = [], text_before
+    for t in tokens:
+        offsets.append(len(text))
+        text += task.piece(t)
+    top: list[dict[str, float] | None] = [
+        {name(i): v for i, v in d.top[first + k]} if d.top_log_probs else None for k in range(len(tokens))
+    ]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": d.log_probs[first:],
+        "tokens": [name(t) for t in tokens],
+        "top_logprobs": top,
+    }
+
+
+def _usage(d: Decoding) -> dict[str, int]:
+    return {
+        "prompt_tokens": d.prefix_length,
+        "completion_tokens": len(d.new_tokens),
+        "total_tokens": d.prefix_length + len(d.new_tokens),
+    }
+
+
+def _completion_answer(
+    server: PolicyServer, r: _Request, body: Mapping[str, Any], start: int
+) -> dict[str, Any]:
+    d = r.decoding
+    finish, stop_reason = _openai_finish(r)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": "".join(task.piece(t) for t in d.new_tokens),
+        "logprobs": _logprobs_block(d, 0, body, ""),
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = list(d.new_tokens)
+        choice["prompt_token_ids"] = d.sequence[: d.prefix_length]
+    if d.new_tokens:
+        buffer = io.BytesIO()
+        np.save(buffer, _routes_of(r).astype(np.uint8), allow_pickle=False)
+        choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return {
+        "id": f"cmpl-{r.rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": server.model,
+        "choices": [choice],
+        "usage": _usage(d),
+    }
+
+
+async def _stream_completion(
+    server: PolicyServer, request: web.Request, r: _Request, body: Mapping[str, Any], fault: str | None
+) -> web.StreamResponse:
+    """Server-sent events: one chunk per new token, a final chunk with the finish reason.
+
+    An injected ``malformed_json`` fault sends a broken chunk first; ``disconnect`` drops the
+    connection after the first chunk (a stream cut mid-generation).
+    """
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    sent, text = 0, ""
+    base = {
+        "id": f"cmpl-{r.rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": server.model,
+    }
+    try:
+        while True:
+            r.progress.clear()
+            # The engine thread appends to the decoding during a step; the lock it holds then
+            # makes this snapshot consistent (tokens, log-probs and finish reason together).
+            async with server._model_lock:
+                finished = r.finished
+                choice = _stream_choice(r, body, sent, text, finished)
+            if choice is not None:
+                text += choice["text"]
+                sent += len(choice.pop("_tokens"))
+                if fault == "malformed_json":
+                    await response.write(b'data: {"choices": [\n\n')
+                await _send_event(response, {**base, "choices": [choice]})
+                if fault == "disconnect":
+                    r.abort_requested = True
+                    server._changed.set()
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+            if finished:
+                break
+            await r.progress.wait()
+        options = body.get("stream_options") or {}
+        if isinstance(options, dict) and options.get("include_usage"):
+            await _send_event(response, {**base, "choices": [], "usage": _usage(r.decoding)})
+        await response.write(b"data: [DONE]\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+        r.abort_requested = True
+        server._changed.set()
+        raise
+    await response.write_eof()
+    return response
+
+
+def _stream_choice(
+    r: _Request, body: Mapping[str, Any], sent: int, text: str, finished: bool
+) -> dict[str, Any] | None:
+    """The next chunk's choice (new tokens since ``sent``), or None when there is nothing new."""
+    d = r.decoding
+    new = d.new_tokens[sent:]
+    if not new and not finished:
+        return None
+    finish = _openai_finish(r) if finished else (None, None)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": "".join(task.piece(t) for t in new),
+        "logprobs": _logprobs_block(d, sent, body, text),
+        "finish_reason": finish[0],
+        "stop_reason": finish[1],
+        "_tokens": new,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = list(new)
+        if sent == 0:
+            choice["prompt_token_ids"] = d.sequence[: d.prefix_length]
+    return choice
+
+
+async def _send_event(response: web.StreamResponse, payload: Mapping[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
