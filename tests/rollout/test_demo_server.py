@@ -20,6 +20,8 @@ from straw.rollout.demo.policy import DemoPolicy, export_weights  # noqa: E402
 from straw.rollout.demo.server import PolicyServer  # noqa: E402
 
 PROMPT = task.encode_prompt("2 0 1")
+# Requests that are parked mid-generation must not finish early on a sampled end token.
+NO_STOP = {"sampling_params": {"ignore_eos": True}}
 
 
 def run(scenario: Callable[[PolicyServer, Any], Awaitable[None]], **server: Any) -> None:
@@ -105,7 +107,9 @@ def test_abort_request_by_rid_and_all() -> None:
     async def scenario(server: PolicyServer, client: Any) -> None:
         server.park_at(1)
         calls = [
-            asyncio.ensure_future(post(client, f"{server.url}/generate", {"rid": rid, "input_ids": PROMPT}))
+            asyncio.ensure_future(
+                post(client, f"{server.url}/generate", {"rid": rid, "input_ids": PROMPT, **NO_STOP})
+            )
             for rid in ("a", "b", "c")
         ]
         await server.wait_parked(3)
@@ -156,7 +160,7 @@ def test_weight_version_endpoints_and_updates(tmp_path) -> None:
 def test_update_weights_aborts_running_requests_first() -> None:
     async def scenario(server: PolicyServer, client: Any) -> None:
         server.park_at(2)
-        call = asyncio.ensure_future(post(client, f"{server.url}/generate", {"input_ids": PROMPT}))
+        call = asyncio.ensure_future(post(client, f"{server.url}/generate", {"input_ids": PROMPT, **NO_STOP}))
         await server.wait_parked(1)
         assert await server.update_weights(export_weights(DemoPolicy(seed=4)), "9") == 1
         _, out = await call
@@ -236,11 +240,12 @@ def test_openai_stream_chunks_add_up_to_the_whole_answer() -> None:
 def test_a_client_that_goes_away_aborts_its_request() -> None:
     async def scenario(server: PolicyServer, client: Any) -> None:
         server.park_at(1)
-        call = asyncio.ensure_future(post(client, f"{server.url}/v1/completions", {"prompt": PROMPT}))
+        body = {"prompt": PROMPT, "ignore_eos": True}
+        call = asyncio.ensure_future(post(client, f"{server.url}/v1/completions", body))
         await server.wait_parked(1)
         call.cancel()
         await server.wait_idle()
-        assert server.stats["aborted"] == 1
+        assert server.engine.stats["aborted"] == 1
 
     run(scenario)
 
@@ -287,7 +292,9 @@ def test_invalid_json_and_a_busy_server() -> None:
         async with client.post(f"{server.url}/generate", data=b"{nope") as response:
             assert response.status == 400 and "not valid JSON" in (await response.json())["message"]
         server.park_at(1)
-        first = asyncio.ensure_future(post(client, f"{server.url}/generate", {"input_ids": PROMPT}))
+        first = asyncio.ensure_future(
+            post(client, f"{server.url}/generate", {"input_ids": PROMPT, **NO_STOP})
+        )
         await server.wait_parked(1)
         status, error = await post(client, f"{server.url}/generate", {"input_ids": PROMPT})
         assert status == 503 and "busy" in error["message"]

@@ -22,13 +22,16 @@ def test_straw_rollout_imports_without_aiohttp_or_torch() -> None:
 
 def test_generators_without_aiohttp_say_which_extra_to_install() -> None:
     done = python(
-        "try:\n    import straw.rollout.generators\n"
+        "import straw.rollout.generators as g\n"
+        "print(g.EngineGenerator.__name__)\n"
+        "try:\n    g.SGLangGenerator\n"
         "except ModuleNotFoundError as error:\n    print(error.name, '|', error)\n"
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (
-        "aiohttp | straw.rollout.generators requires aiohttp: pip install 'straw[engines]'"
-    )
+    assert done.stdout.splitlines() == [
+        "EngineGenerator",
+        "aiohttp | straw.rollout.generators requires aiohttp: pip install 'straw[engines]'",
+    ]
 
 
 def test_the_simulated_engine_needs_no_torch() -> None:

@@ -23,11 +23,11 @@ from straw.rollout.demo import task  # noqa: E402
 from straw.rollout.demo.policy import DemoPolicy, export_weights  # noqa: E402
 from straw.rollout.demo.server import PolicyServer  # noqa: E402
 from straw.rollout.generators import (  # noqa: E402
+    EngineOptions,
     EngineProtocolError,
     EngineRequestError,
     EngineTimeout,
     EngineUnavailable,
-    HttpOptions,
     OpenAICompletionsGenerator,
     SGLangGenerator,
 )
@@ -36,7 +36,7 @@ PROMPT_TEXT = "3 1 0"
 PROMPT = task.encode_prompt(PROMPT_TEXT)
 LAYERS_TOPK = (2, 2)
 SEED = 100
-FAST_RETRY = HttpOptions(max_retries=2, retry_backoff=0.01, request_timeout=30.0)
+FAST_RETRY = EngineOptions(max_retries=2, retry_backoff=0.01, request_timeout=30.0)
 
 
 def reward(sample: Sample) -> float:
@@ -51,13 +51,16 @@ def group(n: int = 4, group_index: int = 0) -> list[Sample]:
 
 
 def sglang(url: str, **kwargs: Any) -> SGLangGenerator:
+    # ignore_eos: every sample runs to the parking point of the abort tests, whatever it samples
     options = {"max_new_tokens": 4, "reward": reward, "tokenize": task.encode_prompt, "seed": SEED}
+    options["sampling_params"] = {"ignore_eos": True}
     options.setdefault("options", FAST_RETRY)
     return SGLangGenerator(url, **{**options, **kwargs})
 
 
 def openai(url: str, **kwargs: Any) -> OpenAICompletionsGenerator:
     options = {"max_new_tokens": 4, "reward": reward, "tokenize": task.encode_prompt, "seed": SEED}
+    options["extra_body"] = {"ignore_eos": True}
     options.setdefault("options", FAST_RETRY)
     return OpenAICompletionsGenerator(url, **{**options, **kwargs})
 
@@ -72,7 +75,8 @@ def run(scenario: Callable[[PolicyServer], Awaitable[None]], *, policy_seed: int
 
 def expected(policy: DemoPolicy, samples: list[Sample]) -> list[Any]:
     """What the policy generates in-process for these samples under the generators' seeds."""
-    return policy.generate([PROMPT] * len(samples), max_new_tokens=4, seeds=[SEED + s.index for s in samples])
+    seeds = [SEED + s.index for s in samples]
+    return policy.generate([PROMPT] * len(samples), max_new_tokens=4, seeds=seeds, stop_tokens=())
 
 
 def assert_matches(samples: list[Sample], generations: list[Any], *, routes: bool) -> None:
@@ -173,7 +177,7 @@ def test_sglang_abort_keeps_partials_that_continue_exactly() -> None:
             assert s.response_length == 2 and len(s.rollout_log_probs) == 2
             assert s.rollout_routed_experts.shape == (len(s.tokens) - 1, *LAYERS_TOPK)
             assert s.weight_versions == ["0"]
-        assert server.stats["aborted"] == 3
+        assert server.engine.stats["aborted"] == 3
         server.park_at(None)
         # The next call continues after the partial response, under the same seed.
         again = await generator(out, weight_version=None)
@@ -241,7 +245,7 @@ def test_openai_abort_without_streaming_keeps_the_sample_as_it_was() -> None:
             s.status is SampleStatus.ABORTED and s.response_length == 0 and s.tokens == [] for s in out
         )
         await server.wait_idle()
-        assert server.stats["aborted"] == 2
+        assert server.engine.stats["aborted"] == 2
         await generator.aclose()
 
     run(scenario)
@@ -290,7 +294,7 @@ def test_abort_ends_only_the_calls_in_flight() -> None:
 
 def test_concurrency_is_bounded() -> None:
     async def scenario(server: PolicyServer) -> None:
-        generator = sglang(server.url, options=HttpOptions(max_concurrency=2))
+        generator = sglang(server.url, options=EngineOptions(max_concurrency=2))
         server.park_at(1)
         call = asyncio.ensure_future(generator(group(6), weight_version=None))
         await server.wait_parked(2)
@@ -339,7 +343,7 @@ def test_malformed_json_is_a_protocol_error_and_not_retried(make) -> None:
 def test_timeouts_retry_then_fail_and_the_server_drops_the_requests() -> None:
     async def scenario(server: PolicyServer) -> None:
         server.park_at(0)  # never generate anything
-        options = HttpOptions(request_timeout=0.3, max_retries=1, retry_backoff=0.01)
+        options = EngineOptions(request_timeout=0.3, max_retries=1, retry_backoff=0.01)
         generator = sglang(server.url, options=options)
         samples = group(1)
         with pytest.raises(EngineTimeout, match=r"did not answer within 0.3s \(2 attempts\)"):
@@ -429,7 +433,7 @@ def test_bad_samples_and_options_are_refused_before_any_request() -> None:
     with pytest.raises(ValueError, match="stream=False"):
         OpenAICompletionsGenerator("http://127.0.0.1:1", max_new_tokens=4, routed_experts=(2, 2))
     with pytest.raises(ValueError, match="max_concurrency"):
-        HttpOptions(max_concurrency=0)
+        EngineOptions(max_concurrency=0)
 
 
 def test_a_closed_generator_refuses_calls() -> None:

@@ -57,15 +57,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import itertools
 import json
-import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +69,10 @@ import torch
 from aiohttp import web
 
 from . import task
-from .policy import Decoding, DemoPolicy, _step_together, import_weights
+from .engine import BatchingEngine, EngineBusy, Job
+from .policy import Decoding, DemoPolicy
 
 __all__ = ["FAULTS", "PolicyServer"]
-
-_log = logging.getLogger("straw.rollout.demo.server")
 
 LOOPBACK = "127.0.0.1"
 
@@ -95,23 +89,6 @@ class _BadRequest(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class _Request:
-    """One generation in the engine loop."""
-
-    rid: str
-    decoding: Decoding
-    done: asyncio.Future[None]
-    progress: asyncio.Event = field(default_factory=asyncio.Event)
-    version: str | None = None  # the weight version of its tokens, fixed at its first step
-    abort_requested: bool = False
-    created: float = field(default_factory=time.monotonic)
-
-    @property
-    def finished(self) -> bool:
-        return self.done.done()
 
 
 class PolicyServer:
@@ -131,34 +108,25 @@ class PolicyServer:
         port: int = 0,
         max_running: int = 256,
     ) -> None:
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        self.policy = policy
-        self.weight_version = weight_version
+        self.engine = BatchingEngine(policy, weight_version=weight_version, max_running=max_running)
         self.model = model
-        self.max_running = max_running
         self._port = port
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
-        self._parked = asyncio.Condition()
-        self._model_lock = asyncio.Lock()
-        self._loading = False
-        self._closing = False
-        self._running: dict[str, _Request] = {}
-        self._park_at: int | None = None
         self._faults: deque[str] = deque()
-        self._ids = itertools.count()
         #: Bodies of the most recent generation requests, oldest first (for tests).
         self.seen: deque[tuple[str, dict[str, Any]]] = deque(maxlen=_SEEN_MAX)
-        #: Counters: ``generate``, ``completions``, ``aborted``, ``finished``, ``faults``.
-        self.stats: dict[str, int] = dict.fromkeys(
-            ("generate", "completions", "aborted", "finished", "faults"), 0
-        )
+        #: Counters: ``generate`` and ``completions`` requests, injected ``faults``.
+        self.stats: dict[str, int] = {"generate": 0, "completions": 0, "faults": 0}
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def policy(self) -> DemoPolicy:
+        return self.engine.policy
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
 
     @property
     def url(self) -> str:
@@ -171,31 +139,23 @@ class PolicyServer:
         """Listen on 127.0.0.1 and start the engine loop; returns the base URL."""
         if self._runner is not None:
             raise RuntimeError("PolicyServer is already started")
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="straw-demo-engine")
-        self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+        await self.engine.start()
         app = web.Application(client_max_size=16 * 1024 * 1024)
         app.add_routes(self._routes())
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the
         # generation (what SGLang and vLLM do when a caller goes away).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, LOOPBACK, self._port)
-        await self._site.start()
+        await web.TCPSite(self._runner, LOOPBACK, self._port).start()
         return self.url
 
     async def close(self) -> None:
         """Abort every request, stop listening and stop the engine loop (idempotent)."""
         if self._runner is None:
             return
-        self._closing = True
-        self._abort_matching(lambda r: True)
-        self._changed.set()
-        if self._loop_task is not None:
-            await self._loop_task
+        await self.engine.close()
         await self._runner.cleanup()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        self._runner = self._site = None
+        self._runner = None
 
     async def __aenter__(self) -> PolicyServer:
         await self.start()
@@ -207,38 +167,20 @@ class PolicyServer:
     # ------------------------------------------------------------------ controls
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: str) -> int:
-        """Abort running requests, load ``weights`` between two steps, serve as ``version``.
-
-        Returns how many requests were aborted. Requests that arrive meanwhile start under
-        the new weights.
-        """
-        self._loading = True
-        try:
-            aborted = self._abort_matching(lambda r: True)
-            async with self._model_lock:
-                await self._in_engine(import_weights, self.policy, weights)
-                self.weight_version = str(version)
-        finally:
-            self._loading = False
-            self._changed.set()
-        return aborted
+        """Abort running requests, load ``weights`` between two steps, serve as ``version``."""
+        return await self.engine.update_weights(weights, version)
 
     def park_at(self, tokens: int | None) -> None:
         """Stop advancing requests once they have ``tokens`` new tokens (None: run freely)."""
-        if tokens is not None and tokens < 0:
-            raise ValueError(f"park_at takes a token count >= 0 or None, got {tokens}")
-        self._park_at = tokens
-        self._changed.set()
+        self.engine.park_at(tokens)
 
     async def wait_parked(self, count: int, *, timeout: float = 30.0) -> None:
         """Wait until ``count`` requests are parked (see :meth:`park_at`)."""
-        async with self._parked:
-            await asyncio.wait_for(self._parked.wait_for(lambda: self._parked_count() >= count), timeout)
+        await self.engine.wait_parked(count, timeout=timeout)
 
     async def wait_idle(self, *, timeout: float = 30.0) -> None:
         """Wait until no request is running (every one finished or aborted)."""
-        async with self._parked:
-            await asyncio.wait_for(self._parked.wait_for(lambda: not self._running), timeout)
+        await self.engine.wait_idle(timeout=timeout)
 
     def inject(self, fault: str, count: int = 1) -> None:
         """Apply ``fault`` (one of :data:`FAULTS`) to the next ``count`` generation requests."""
@@ -248,111 +190,15 @@ class PolicyServer:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return self.engine.running
 
-    # ------------------------------------------------------------------ engine loop
-
-    def _parked_count(self) -> int:
-        limit = self._park_at
-        if limit is None:
-            return 0
-        return sum(
-            1 for r in self._running.values() if len(r.decoding.new_tokens) >= limit and not r.finished
-        )
-
-    def _runnable(self) -> list[_Request]:
-        limit = self._park_at
-        return [
-            r
-            for r in self._running.values()
-            if not r.finished and (limit is None or len(r.decoding.new_tokens) < limit)
-        ]
-
-    async def _engine_loop(self) -> None:
-        while True:
-            self._changed.clear()
-            self._apply_aborts()
-            if self._closing and not self._running:
-                return
-            batch = [] if self._loading else self._runnable()
-            await self._notify_parked()
-            if not batch:
-                await self._changed.wait()
-                continue
-            async with self._model_lock:
-                for r in batch:
-                    r.version = r.version or self.weight_version
-                try:
-                    await self._in_engine(_step_together, self.policy, [r.decoding for r in batch])
-                except Exception as error:  # a broken step fails its requests, not the server
-                    _log.exception("generation step failed")
-                    for r in batch:
-                        r.done.set_exception(error)
-                        self._running.pop(r.rid, None)
-                    continue
-            for r in batch:
-                r.progress.set()
-                if r.decoding.done:
-                    self._finish(r)
-
-    async def _notify_parked(self) -> None:
-        async with self._parked:
-            self._parked.notify_all()
-
-    async def _in_engine(self, function: Callable[..., Any], *args: Any) -> Any:
-        """Run model code on the engine thread (one at a time, off the event loop)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, function, *args)
-
-    def _apply_aborts(self) -> None:
-        for r in list(self._running.values()):
-            if r.abort_requested and not r.finished:
-                r.decoding.abort()
-                self.stats["aborted"] += 1
-                self._finish(r)
-
-    def _abort_matching(self, match: Callable[[_Request], bool]) -> int:
-        count = 0
-        for r in self._running.values():
-            if not r.finished and not r.abort_requested and match(r):
-                r.abort_requested = True
-                count += 1
-        self._changed.set()
-        return count
-
-    def _finish(self, r: _Request) -> None:
-        self._running.pop(r.rid, None)
-        if not r.finished:
-            r.done.set_result(None)
-            self.stats["finished"] += 1
-        r.progress.set()
-
-    async def _run(self, decoding: Decoding, rid: str | None) -> _Request:
-        """Admit one generation; the caller awaits ``done`` or follows ``progress``."""
-        if self._closing:
-            raise _BadRequest("Server is shutting down", 503)
-        if len(self._running) >= self.max_running:
-            raise _BadRequest(f"Server busy: {self.max_running} requests running", 503)
-        rid = rid or f"{uuid.uuid4().hex}-{next(self._ids)}"
-        if rid in self._running:
-            raise _BadRequest(f"Request id {rid!r} is already running")
-        r = _Request(rid, decoding, asyncio.get_running_loop().create_future())
-        if decoding.done:  # nothing to generate (budget 0 or position limit)
-            r.version = self.weight_version
-            r.done.set_result(None)
-            return r
-        self._running[rid] = r
-        self._changed.set()
-        return r
-
-    async def _follow(self, r: _Request) -> None:
-        """Wait for ``r`` to finish; if the handler is cancelled (client gone), abort it."""
+    def _submit(self, decoding: Decoding, rid: str | None) -> Job:
         try:
-            await asyncio.shield(r.done)
-        except asyncio.CancelledError:
-            r.abort_requested = True
-            self._changed.set()
-            raise
+            return self.engine.submit(decoding, rid)
+        except EngineBusy as error:
+            raise _BadRequest(str(error), 503) from None
+        except ValueError as error:
+            raise _BadRequest(str(error)) from None
 
     # ------------------------------------------------------------------ routes
 
@@ -407,8 +253,8 @@ class PolicyServer:
         if not isinstance(version, str):
             raise _BadRequest("new_version must be a string")
         if body.get("abort_all_requests"):
-            self._abort_matching(lambda r: True)
-        self.weight_version = version
+            self.engine.abort(lambda job: True)
+        self.engine.weight_version = version
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
         )
@@ -433,12 +279,12 @@ class PolicyServer:
         body = await _json_body(request)
         rid = body.get("rid")
         if body.get("abort_all"):
-            self._abort_matching(lambda r: True)
+            self.engine.abort(lambda job: True)
         elif isinstance(rid, str):
-            self._abort_matching(lambda r: r.rid == rid)
+            self.engine.abort(lambda job: job.id == rid)
         elif isinstance(rid, list) and all(isinstance(x, str) for x in rid):
             wanted = set(rid)
-            self._abort_matching(lambda r: r.rid in wanted)
+            self.engine.abort(lambda job: job.id in wanted)
         else:
             raise _BadRequest("abort_request needs rid (a string or list of strings) or abort_all")
         return web.Response(status=200)
@@ -472,8 +318,8 @@ class PolicyServer:
         body = await _json_body(request)
         fault = await self._fault(request, "generate", body)
         decoding, start = self._native_decoding(body)
-        r = await self._run(decoding, _optional_str(body, "rid"))
-        await self._follow(r)
+        r = self._submit(decoding, _optional_str(body, "rid"))
+        await self.engine.follow(r)
         out = _native_answer(self, r, body, start)
         return _faulty(request, fault) or web.json_response(out)
 
@@ -534,13 +380,13 @@ class PolicyServer:
             routes_start=start,
             top_log_probs=min(top or 0, self.policy.config.vocab_size),
         )
-        r = await self._run(decoding, _optional_str(body, "request_id"))
+        r = self._submit(decoding, _optional_str(body, "request_id"))
         if body.get("stream"):
             if fault == "error_after_generate":
-                await self._follow(r)
+                await self.engine.follow(r)
                 return _error("Injected fault: internal error after generating", 500, native=False)
             return await _stream_completion(self, request, r, body, fault)
-        await self._follow(r)
+        await self.engine.follow(r)
         out = _completion_answer(self, r, body, start)
         return _faulty(request, fault) or web.json_response(out)
 
@@ -674,14 +520,14 @@ def _faulty(request: web.Request, fault: str | None) -> web.StreamResponse | Non
     return None
 
 
-def _routes_of(r: _Request) -> np.ndarray[Any, Any]:
+def _routes_of(r: Job) -> np.ndarray[Any, Any]:
     routes = r.decoding.result().routes
     if routes is None:
         return np.zeros((0, 0, 0), dtype=np.int32)
     return routes.numpy().astype(np.int32)
 
 
-def _native_finish(r: _Request) -> dict[str, Any]:
+def _native_finish(r: Job) -> dict[str, Any]:
     d = r.decoding
     if d.finish == "stop":
         return {"type": "stop", "matched": d.new_tokens[-1]}
@@ -690,10 +536,10 @@ def _native_finish(r: _Request) -> dict[str, Any]:
     return {"type": "length", "length": len(d.new_tokens)}
 
 
-def _native_answer(server: PolicyServer, r: _Request, body: Mapping[str, Any], start: int) -> dict[str, Any]:
+def _native_answer(server: PolicyServer, r: Job, body: Mapping[str, Any], start: int) -> dict[str, Any]:
     d = r.decoding
     meta: dict[str, Any] = {
-        "id": r.rid,
+        "id": r.id,
         "finish_reason": _native_finish(r),
         "prompt_tokens": d.prefix_length,
         "completion_tokens": len(d.new_tokens),
@@ -716,7 +562,7 @@ def _native_answer(server: PolicyServer, r: _Request, body: Mapping[str, Any], s
     }
 
 
-def _openai_finish(r: _Request) -> tuple[str, int | None]:
+def _openai_finish(r: Job) -> tuple[str, int | None]:
     d = r.decoding
     if d.finish == "stop":
         return "stop", d.new_tokens[-1]
@@ -758,9 +604,7 @@ def _usage(d: Decoding) -> dict[str, int]:
     }
 
 
-def _completion_answer(
-    server: PolicyServer, r: _Request, body: Mapping[str, Any], start: int
-) -> dict[str, Any]:
+def _completion_answer(server: PolicyServer, r: Job, body: Mapping[str, Any], start: int) -> dict[str, Any]:
     d = r.decoding
     finish, stop_reason = _openai_finish(r)
     choice: dict[str, Any] = {
@@ -778,7 +622,7 @@ def _completion_answer(
         np.save(buffer, _routes_of(r).astype(np.uint8), allow_pickle=False)
         choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode("ascii")
     return {
-        "id": f"cmpl-{r.rid}",
+        "id": f"cmpl-{r.id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": server.model,
@@ -788,7 +632,7 @@ def _completion_answer(
 
 
 async def _stream_completion(
-    server: PolicyServer, request: web.Request, r: _Request, body: Mapping[str, Any], fault: str | None
+    server: PolicyServer, request: web.Request, r: Job, body: Mapping[str, Any], fault: str | None
 ) -> web.StreamResponse:
     """Server-sent events: one chunk per new token, a final chunk with the finish reason.
 
@@ -799,7 +643,7 @@ async def _stream_completion(
     await response.prepare(request)
     sent, text = 0, ""
     base = {
-        "id": f"cmpl-{r.rid}",
+        "id": f"cmpl-{r.id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": server.model,
@@ -809,7 +653,7 @@ async def _stream_completion(
             r.progress.clear()
             # The engine thread appends to the decoding during a step; the lock it holds then
             # makes this snapshot consistent (tokens, log-probs and finish reason together).
-            async with server._model_lock:
+            async with server.engine.consistent():
                 finished = r.finished
                 choice = _stream_choice(r, body, sent, text, finished)
             if choice is not None:
@@ -819,8 +663,7 @@ async def _stream_completion(
                     await response.write(b'data: {"choices": [\n\n')
                 await _send_event(response, {**base, "choices": [choice]})
                 if fault == "disconnect":
-                    r.abort_requested = True
-                    server._changed.set()
+                    server.engine.abort(lambda job: job is r)
                     if request.transport is not None:
                         request.transport.abort()
                     return response
@@ -832,15 +675,14 @@ async def _stream_completion(
             await _send_event(response, {**base, "choices": [], "usage": _usage(r.decoding)})
         await response.write(b"data: [DONE]\n\n")
     except (asyncio.CancelledError, ConnectionResetError):
-        r.abort_requested = True
-        server._changed.set()
+        server.engine.abort(lambda job: job is r)
         raise
     await response.write_eof()
     return response
 
 
 def _stream_choice(
-    r: _Request, body: Mapping[str, Any], sent: int, text: str, finished: bool
+    r: Job, body: Mapping[str, Any], sent: int, text: str, finished: bool
 ) -> dict[str, Any] | None:
     """The next chunk's choice (new tokens since ``sent``), or None when there is nothing new."""
     d = r.decoding
