@@ -11,7 +11,8 @@ that attempt, but it can return routed experts (vLLM sends them only in whole an
 
 Both implement the :class:`straw.rollout.hooks.Generator` protocol (docs/ENGINES.md):
 
-- each sample of the group is one HTTP request; at most ``max_concurrency`` run at once;
+- each sample of the group is one HTTP request (trajectories, lists inside a group, are not
+  supported); at most ``max_concurrency`` run at once;
 - a sample that is already COMPLETED, TRUNCATED or FAILED is returned as is (it gets a reward
   if it has none); an ABORTED or PENDING one is generated, continuing after its partial
   response: the request carries ``tokens`` (prompt + partial response) and asks for the
@@ -23,8 +24,9 @@ Both implement the :class:`straw.rollout.hooks.Generator` protocol (docs/ENGINES
   ``max_retries`` times with exponential backoff; the retry resends the same generation from
   the sample's state before the call, so nothing is appended twice and nothing is published
   or completed (that is the runner's job, after the generator returns). Samples are changed
-  only after every request of the group has an answer: a group either comes back whole or
-  the call raises and the group is untouched (except rewards already computed);
+  only after every request of the group has a valid answer: a group either comes back whole
+  or the call raises and its samples are as they were (a reward function that raises
+  afterwards leaves the generated tokens in place);
 - ``abort()`` (thread-safe) ends the calls in flight at that moment; later calls run normally.
 
 Errors: :class:`EngineUnavailable` (cannot reach the server or it keeps failing),
