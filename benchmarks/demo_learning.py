@@ -20,7 +20,9 @@ from straw.rollout.demo.train import LoopConfig, run_plain_loop
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=LoopConfig.steps)
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()

@@ -5,12 +5,15 @@ Generates copy-task groups (8 samples, up to 4 new tokens each) with ``--concurr
 in flight, through four paths side by side over the same policy:
 
 - ``local``: the in-process ``PolicyGenerator`` (the demo's default engine);
-- ``sglang``: ``SGLangGenerator`` over real HTTP to the loopback ``PolicyServer``;
+- ``sglang``: ``SGLangGenerator`` over real HTTP to the loopback ``PolicyServer`` (``sglang-all``:
+  aborting with one ``abort_all`` request instead of one request per sample);
 - ``openai-stream`` / ``openai``: ``OpenAICompletionsGenerator`` streamed and not;
 
 and reports groups/s and the ratio to ``local`` (the HTTP overhead). Then, for each path, the
 abort latency: with every group parked mid-generation, the time from ``abort()`` until every
-call has returned its ABORTED partials (p50 over ``--repeats``). Last, the fixed-latency
+call has returned its ABORTED partials (p50 over ``--repeats``). Client and server share one
+process and one event loop here, so every HTTP exchange of an abort (one per sample for
+``sglang``) is paid twice on one core: read the HTTP abort figures as upper bounds. Last, the fixed-latency
 ``SimulatedEngine`` with ``max_concurrency=C`` and latency L should deliver C/L groups/s; the
 measured rate over that ideal checks the simulator the worker-scaling benchmark relies on.
 
@@ -59,7 +62,9 @@ async def abort_latency(generator: Any, engine: Any, concurrency: int, repeats: 
     samples = []
     for _ in range(repeats):
         engine.park_at(2)
-        calls = [asyncio.ensure_future(generator(group(1000 + i), weight_version="0")) for i in range(concurrency)]
+        calls = [
+            asyncio.ensure_future(generator(group(1000 + i), weight_version="0")) for i in range(concurrency)
+        ]
         await engine.wait_parked(8 * concurrency)
         started = time.perf_counter()
         generator.abort()
@@ -80,12 +85,27 @@ async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     policy = DemoPolicy(seed=0)
     async with PolicyServer(policy) as server:
-        common: dict[str, Any] = {"max_new_tokens": 4, "reward": task_reward, "tokenize": task.encode_prompt, "seed": 1}
+        common: dict[str, Any] = {
+            "max_new_tokens": 4,
+            "reward": task_reward,
+            "tokenize": task.encode_prompt,
+            "seed": 1,
+        }
         paths: dict[str, tuple[Callable[[], Any], Any]] = {
             "local": (lambda: PolicyGenerator(policy, seed=1, stop_tokens=()), None),
             "sglang": (
                 lambda: SGLangGenerator(
                     server.url, routed_experts=(2, 2), sampling_params={"ignore_eos": True}, **common
+                ),
+                server,
+            ),
+            "sglang-all": (
+                lambda: SGLangGenerator(
+                    server.url,
+                    routed_experts=(2, 2),
+                    sampling_params={"ignore_eos": True},
+                    abort_all=True,
+                    **common,
                 ),
                 server,
             ),
@@ -114,11 +134,15 @@ async def main(args: argparse.Namespace) -> None:
             await generator.aclose()
     for c in (1, 4, 16):
         rate = await simulated(c, args.latency, args.groups)
-        print(f"simulated engine, max_concurrency={c:<3} {rate:>8.1f} groups/s = {rate * args.latency / c:.2f} x C/L")
+        print(
+            f"simulated engine, max_concurrency={c:<3} {rate:>8.1f} groups/s = {rate * args.latency / c:.2f} x C/L"
+        )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)

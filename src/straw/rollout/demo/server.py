@@ -674,9 +674,12 @@ async def _stream_completion(
         if isinstance(options, dict) and options.get("include_usage"):
             await _send_event(response, {**base, "choices": [], "usage": _usage(r.decoding)})
         await response.write(b"data: [DONE]\n\n")
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         server.engine.abort(lambda job: job is r)
         raise
+    except ConnectionResetError:  # the client went away mid-stream: stop generating for it
+        server.engine.abort(lambda job: job is r)
+        return response
     await response.write_eof()
     return response
 

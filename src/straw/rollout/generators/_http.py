@@ -45,8 +45,9 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 #: Longest part of an answer quoted in an error message.
 QUOTE_CHARS_MAX = 300
 
-#: Connections beyond max_concurrency, kept for abort requests while every slot generates.
-_SPARE_CONNECTIONS = 8
+#: Connections of the control session (abort requests), apart from the generation requests so
+#: that an abort never waits for a connection that a generation holds.
+CONTROL_CONNECTIONS_MAX = 64
 
 #: Errors of one HTTP exchange that are worth re-sending it for.
 TRANSIENT = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -81,43 +82,53 @@ class HttpGenerator(EngineGenerator):
         self.url = url.rstrip("/")
         self.where = f"{self.url}{self.endpoint}"
         self._session: aiohttp.ClientSession | None = None
+        self._control: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        # A session belongs to one event loop; a session of an ended loop is simply dropped.
-        timeout = aiohttp.ClientTimeout(
-            total=self.options.request_timeout, sock_connect=self.options.connect_timeout
-        )
-        connector = aiohttp.TCPConnector(limit=self.options.max_concurrency + _SPARE_CONNECTIONS)
+        # Sessions belong to one event loop; the sessions of an ended loop are simply dropped.
+        options = self.options
+        timeout = aiohttp.ClientTimeout(total=options.request_timeout, sock_connect=options.connect_timeout)
+        connector = aiohttp.TCPConnector(limit=options.max_concurrency)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        control = aiohttp.ClientTimeout(total=options.abort_timeout, sock_connect=options.connect_timeout)
+        connector = aiohttp.TCPConnector(limit=CONTROL_CONNECTIONS_MAX)
+        self._control = aiohttp.ClientSession(timeout=control, connector=connector)
 
     async def aclose(self) -> None:
         await super().aclose()
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        sessions = (self._session, self._control)
+        self._session = self._control = None
+        for session in sessions:
+            if session is not None:
+                await session.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """The session of generation requests (at most ``max_concurrency`` connections)."""
         if self._session is None:
             raise RuntimeError("generator is not bound to an event loop")
         return self._session
 
-    async def post(self, path: str, payload: Mapping[str, Any], *, timeout: float | None = None) -> bytes:
-        """POST ``payload`` as JSON; the answer's bytes. Transient failures raise RetryableError."""
+    async def post(self, path: str, payload: Mapping[str, Any], *, control: bool = False) -> bytes:
+        """POST ``payload`` as JSON; the answer's bytes. Transient failures raise RetryableError.
+
+        ``control=True`` sends it on the control session (abort requests, ``abort_timeout``).
+        """
         url = f"{self.url}{path}"
-        # timeout=None would disable the session's timeout: pass the session's own instead.
-        limit = self.session.timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
+        session = self._control if control else self._session
+        if session is None:
+            raise RuntimeError("generator is not bound to an event loop")
         try:
-            async with self.session.post(url, json=payload, timeout=limit) as response:
+            async with session.post(url, json=payload) as response:
                 body = await response.read()
                 check_status(url, response.status, body)
         except TRANSIENT as error:
             raise RetryableError(str(error)) from error
         return body
 
-    async def post_json(self, path: str, payload: Mapping[str, Any], *, timeout: float | None = None) -> Any:
+    async def post_json(self, path: str, payload: Mapping[str, Any]) -> Any:
         """POST ``payload`` and decode the JSON answer (see :meth:`post`)."""
-        return decode_json(f"{self.url}{path}", await self.post(path, payload, timeout=timeout))
+        return decode_json(f"{self.url}{path}", await self.post(path, payload))
 
 
 def quote(body: bytes) -> str:

@@ -91,9 +91,8 @@ class SGLangGenerator(HttpGenerator):
             bodies = [{"abort_all": True}]
         else:
             bodies = [{"rid": rid, "abort_all": False} for rid in request_ids]
-        timeout = self.options.abort_timeout
         results = await asyncio.gather(
-            *(self.post("/abort_request", body, timeout=timeout) for body in bodies), return_exceptions=True
+            *(self.post("/abort_request", body, control=True) for body in bodies), return_exceptions=True
         )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed and len(failed) == len(results):
