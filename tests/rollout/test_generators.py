@@ -445,3 +445,16 @@ def test_a_closed_generator_refuses_calls() -> None:
             await generator(group(1), weight_version=None)
 
     run(scenario)
+
+
+def test_concurrent_first_calls_bind_once() -> None:
+    async def scenario(server: PolicyServer) -> None:
+        generator = sglang(server.url)
+        first, second = await asyncio.gather(
+            generator(group(2), weight_version=None), generator(group(2, group_index=1), weight_version=None)
+        )
+        assert all(s.status is SampleStatus.TRUNCATED for s in first + second)
+        assert server.stats["generate"] == 4
+        await generator.aclose()
+
+    run(scenario)

@@ -192,6 +192,7 @@ class EngineGenerator:
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._bind_lock = threading.Lock()
+        self._ready: asyncio.Event | None = None  # set once open() has run in the bound loop
 
     # ------------------------------------------------------------------ to implement
 
@@ -275,15 +276,25 @@ class EngineGenerator:
     async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         with self._bind_lock:
-            if self._loop is loop:
-                return
-            if self._loop is not None and not self._loop.is_closed() and self._loop.is_running():
-                raise RuntimeError("A generator serves one event loop at a time; make one per loop")
-            # First use, or the previous loop has ended (asyncio.run per call): start afresh.
-            self._loop = loop
-            self._semaphore = asyncio.Semaphore(self.options.max_concurrency)
-            self._epoch = _Epoch()
-        await self.open()
+            opening = self._loop is not loop
+            if opening:
+                if self._loop is not None and not self._loop.is_closed() and self._loop.is_running():
+                    raise RuntimeError("A generator serves one event loop at a time; make one per loop")
+                # First use, or the previous loop has ended (asyncio.run per call): start afresh.
+                self._loop = loop
+                self._semaphore = asyncio.Semaphore(self.options.max_concurrency)
+                self._epoch = _Epoch()
+                self._ready = asyncio.Event()
+            ready = self._ready
+        if ready is None:
+            raise RuntimeError("generator lost its event loop binding")
+        if opening:
+            try:
+                await self.open()
+            finally:
+                ready.set()  # calls waiting for open() go on (and fail on their own if it failed)
+        else:
+            await ready.wait()
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) -> None:
         task = loop.create_task(coroutine)
