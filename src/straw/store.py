@@ -911,6 +911,17 @@ class SharedFilesystemStore:
         answer["exists"] = posix.exists(self.backend.resolve(pack))
         return answer
 
+    def owners(self, prefix: str = "") -> list[str]:
+        """Names of the owners the pool's catalog records now whose name starts with ``prefix``.
+
+        Sorted; straw's own owners (``staging:``, ``queue:``, ``pin:``) are listed too, so a
+        prefix naming an application's owners (``checkpoint:<dir>/``) is the usual call.
+        """
+        if not isinstance(prefix, str):
+            raise TypeError(f"owners() takes a text prefix, got {type(prefix).__name__}")
+        with self._catalog.locked() as catalog:
+            return sorted(name for name in catalog.state.owners if name.startswith(prefix))
+
     def _owned(self, owner: str) -> set[str]:
         with self._catalog.locked() as catalog:
             return set(catalog.state.owners.get(owner, set()))
