@@ -121,6 +121,16 @@ class ReadSession:
     def close(self) -> None:
         self._reader.close()
 
+    @property
+    def root(self) -> str:
+        """The mount path of the pool this session reads."""
+        return str(self._reader.backend.root)
+
+    @property
+    def run_id(self) -> str:
+        """The run whose packs this session reads."""
+        return self._reader.run_id
+
     def __enter__(self) -> ReadSession:
         return self
 
