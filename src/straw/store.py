@@ -385,6 +385,9 @@ class SharedFilesystemStore:
             raise ValueError(f"segment_target_bytes must be >= 0, got {segment_target_bytes!r}")
         self.max_record_bytes = max_record_bytes
         self.max_buffer_bytes = max_buffer_bytes
+        #: Records (manifests included) one write may hold; callers that split large batches
+        #: read it here, and tests may lower it on an instance.
+        self.max_records_per_write = RECORDS_PER_WRITE_MAX
         self.segment_target_bytes = segment_target_bytes
         # Recorded for the ownership catalog (docs/DURABILITY.md, "Lifetime").
         self.online_gc = bool(online_gc)
@@ -535,8 +538,8 @@ class SharedFilesystemStore:
     # -- writing: machinery -------------------------------------------------------------
 
     def _check_count(self, count: int) -> None:
-        if count > RECORDS_PER_WRITE_MAX:
-            raise ResourceLimitExceeded(f"{count} records in one write exceeds {RECORDS_PER_WRITE_MAX}")
+        if count > self.max_records_per_write:
+            raise ResourceLimitExceeded(f"{count} records in one write exceeds {self.max_records_per_write}")
 
     def _entry(self, record: Record) -> Entry:
         """Check one record against every limit and hash it; nothing is written yet."""

@@ -11,7 +11,17 @@ import a module. Format: docs/FORMAT.md section 10.
 
 from __future__ import annotations
 
-from .payload import BYTES_CODEC, SAMPLE_CODEC, Materialize, PayloadRef, load, publish, publish_many
+from .payload import (
+    BYTES_CODEC,
+    SAMPLE_CODEC,
+    Materialize,
+    NotASample,
+    PayloadRef,
+    encode_publications,
+    load,
+    publish,
+    publish_many,
+)
 from .schema import (
     SCHEMA_VERSION,
     CyclicValue,
@@ -29,10 +39,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "CyclicValue",
     "Materialize",
+    "NotASample",
     "PayloadRef",
     "UnknownClass",
     "UnsupportedValue",
     "decode_sample",
+    "encode_publications",
     "encode_sample",
     "load",
     "publish",

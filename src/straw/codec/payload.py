@@ -21,7 +21,17 @@ from ..store import ReadSession, SharedFilesystemStore
 from ..tensor import TENSOR_CODEC, TensorRef, attach, is_torch_tensor, naming, reader_for, tensor_record
 from .schema import Decoder, Selection, allowed_classes, check_selection, decode_sample, encode_sample
 
-__all__ = ["BYTES_CODEC", "SAMPLE_CODEC", "Materialize", "PayloadRef", "load", "publish", "publish_many"]
+__all__ = [
+    "BYTES_CODEC",
+    "SAMPLE_CODEC",
+    "Materialize",
+    "NotASample",
+    "PayloadRef",
+    "encode_publications",
+    "load",
+    "publish",
+    "publish_many",
+]
 
 #: ``materialize=``: a bool for every tensor, or a callable deciding per tensor from its kind and
 #: its node: ``"tensor"`` (a torch tensor), ``"ndarray"`` (a NumPy array) or ``"tref"`` (a
@@ -34,6 +44,10 @@ SAMPLE_CODEC = "sample.v1"
 BYTES_CODEC = "bytes.v1"
 
 Reader = ReadSession | SharedFilesystemStore | None
+
+
+class NotASample(InvalidReference):
+    """The publication a sample load was given does not start with a sample document."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +97,13 @@ class PayloadRef:
             session = reader_for(self.ref.manifest, reader, self.root)
             resolved = session.resolve(self.ref)
             if not resolved.records:
-                raise InvalidReference(f"{what} is an empty record set, not a sample")
+                raise NotASample(f"{what} is an empty record set, not a sample")
             head = resolved.records[0]
             codec = head.entry.codec
             if codec != SAMPLE_CODEC:
                 if codec.startswith("sample."):
                     raise UnsupportedSchema(f"{what} has codec {codec!r}; this straw reads {SAMPLE_CODEC}")
-                raise InvalidReference(f"{what} is not a sample publication (its first record is {codec!r})")
+                raise NotASample(f"{what} is not a sample publication (its first record is {codec!r})")
             document = decode(session.read_record(head.ref()).payload)
             decoder = _StoreDecoder(session, self.ref, resolved, materialize)
             return decode_sample(document, decoder, classes=allowed, select=select, root_fields=root_fields)
@@ -195,9 +209,15 @@ def _publication(
     tokens: int,
     special: _Special,
     dependency_fields: Mapping[type, str] | None,
+    classes: Collection[str] | None,
 ) -> tuple[Publication, set[str]]:
     encoded = encode_sample(
-        sample, name=name, kinds=kinds, special=special, dependency_fields=dependency_fields
+        sample,
+        name=name,
+        kinds=kinds,
+        special=special,
+        dependency_fields=dependency_fields,
+        classes=classes,
     )
     meta = dict(metadata or {})
     records = [Record("sample", encode(encoded.document), SAMPLE_CODEC, meta, tokens)]
@@ -240,6 +260,7 @@ def publish(
     metadata: Mapping[str, Any] | None = None,
     tokens: int = 0,
     dependency_fields: Mapping[type, str] | None = None,
+    classes: Collection[str] | None = None,
 ) -> PayloadRef:
     """Publish one sample (any supported nested value) as one publication.
 
@@ -249,13 +270,14 @@ def publish(
     task and attempt of a queue result); ``tokens`` is counted on the sample's record.
     ``dependency_fields={cls: field}`` stores the RecordSetRef in ``field`` of every ``cls``
     instance as a dependency of this publication (so whatever keeps the publication keeps
-    it) and the instance's other fields as data. A cycle (``CyclicValue``, a ``ValueError``)
-    or an unsupported object (``UnsupportedValue``, an ``UnsupportedSchema``) raises with its
-    path before anything is written.
+    it) and the instance's other fields as data. ``classes`` (``module:qualname`` names),
+    when given, limits the enums and dataclasses the sample may hold. A cycle
+    (``CyclicValue``, a ``ValueError``) or an unsupported object (``UnsupportedValue``, an
+    ``UnsupportedSchema``) raises with its path before anything is written.
     """
     special = _Special(store)
     publication, codecs = _publication(
-        sample, "sample", kinds, metadata, _check_tokens(tokens), special, dependency_fields
+        sample, "sample", kinds, metadata, _check_tokens(tokens), special, dependency_fields, classes
     )
     _check_codecs(store, codecs)
     dependencies = [d for d in publication.dependencies if isinstance(d, RecordSetRef)]
@@ -273,12 +295,44 @@ def publish_many(
     metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
     tokens: Sequence[int] | None = None,
     dependency_fields: Mapping[type, str] | None = None,
+    classes: Collection[str] | None = None,
 ) -> list[PayloadRef]:
     """Publish many samples, each its own publication, in one durable write.
 
     ``metadata`` is one mapping for every record of every sample, or a sequence with one
     mapping (or None) per sample; ``tokens`` likewise one count per sample. The other
     keywords are :func:`publish`'s.
+    """
+    publications = encode_publications(
+        store,
+        samples,
+        kinds=kinds,
+        metadata=metadata,
+        tokens=tokens,
+        dependency_fields=dependency_fields,
+        classes=classes,
+    )
+    refs = store.publish_many(publications, submission_id=submission_id)
+    attach(store)
+    root = str(store.backend.root)
+    return [PayloadRef(ref, root) for ref in refs]
+
+
+def encode_publications(
+    store: SharedFilesystemStore,
+    samples: Sequence[Any],
+    *,
+    kinds: Mapping[str, str] | None = None,
+    metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
+    tokens: Sequence[int] | None = None,
+    dependency_fields: Mapping[type, str] | None = None,
+    classes: Collection[str] | None = None,
+) -> list[Publication]:
+    """The publications :func:`publish_many` would write, encoded and checked, nothing written.
+
+    For callers that split many samples over several writes (``store.publish_many``) after
+    encoding all of them, so that a bad sample anywhere writes nothing. Payloads are views of
+    the samples' own memory: keep the samples unchanged until the write returns.
     """
     if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
         raise TypeError(f"publish_many takes a sequence of samples, got {type(samples).__name__}")
@@ -291,15 +345,12 @@ def publish_many(
     for number, sample in enumerate(samples):
         name = f"samples[{number}]"
         publication, needed = _publication(
-            sample, name, kinds, per_sample[number], counts[number], special, dependency_fields
+            sample, name, kinds, per_sample[number], counts[number], special, dependency_fields, classes
         )
         publications.append(publication)
         codecs |= needed
     _check_codecs(store, codecs)
-    refs = store.publish_many(publications, submission_id=submission_id)
-    attach(store)
-    root = str(store.backend.root)
-    return [PayloadRef(ref, root) for ref in refs]
+    return publications
 
 
 def _per_sample(metadata: object, count: int) -> list[Mapping[str, Any] | None]:

@@ -256,8 +256,10 @@ class _Encoder:
         kinds: Mapping[str, str],
         special: Callable[[Any], tuple[str, Any] | None],
         dependency_fields: Mapping[type, str],
+        classes: Collection[str] | None,
     ) -> None:
         self.path: list[str] = [name]
+        self.classes = classes
         self.kinds = kinds
         self.special = special
         self.dependency_fields = dependency_fields
@@ -424,11 +426,18 @@ class _Encoder:
         )
 
     def named(self, cls: type) -> str:
+        type_name = f"{cls.__module__}.{cls.__qualname__}"
         try:
-            return class_name(cls)
+            name = class_name(cls)
         except UnsupportedSchema as error:
-            type_name = f"{cls.__module__}.{cls.__qualname__}"
             raise UnsupportedValue(f"{self.where()}: {error}", self.where(), type_name) from None
+        if self.classes is not None and name not in self.classes:
+            raise UnsupportedValue(
+                f"{self.where()}: class {name} is not among the classes this publication may store",
+                self.where(),
+                type_name,
+            )
+        return name
 
     def dependency_field(self, value: Any) -> str | None:
         for cls in type(value).__mro__:
@@ -475,6 +484,7 @@ def encode_sample(
     kinds: Mapping[str, str] | None = None,
     special: Callable[[Any], tuple[str, Any] | None] = lambda value: None,
     dependency_fields: Mapping[type, str] | None = None,
+    classes: Collection[str] | None = None,
 ) -> Encoded:
     """The sample.v1 document of ``value``; raises before anything is written.
 
@@ -484,9 +494,12 @@ def encode_sample(
     as a dependency of the publication (an ``rset`` node) instead of as data.
     A cycle raises :class:`CyclicValue` (a ``ValueError``) and an unsupported object
     :class:`UnsupportedValue` (an ``UnsupportedSchema``), both naming the path
-    (``sample.metadata["a"][0]``).
+    (``sample.metadata["a"][0]``). ``classes`` (``module:qualname`` names), when given, are
+    the only enums and dataclasses the value may hold (others are :class:`UnsupportedValue`).
     """
-    encoder = _Encoder(name, kinds or {}, special, _check_dependency_fields(dependency_fields))
+    if classes is not None and (isinstance(classes, str) or not isinstance(classes, Collection)):
+        raise TypeError("classes= takes a collection of 'module:qualname' names")
+    encoder = _Encoder(name, kinds or {}, special, _check_dependency_fields(dependency_fields), classes)
     root = encoder.node(value, 0)
     return Encoded({"v": SCHEMA_VERSION, "root": root}, encoder.parts, encoder.dependencies)
 
