@@ -322,6 +322,7 @@ def encode_publications(
     store: SharedFilesystemStore,
     samples: Sequence[Any],
     *,
+    names: Sequence[str] | None = None,
     kinds: Mapping[str, str] | None = None,
     metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
     tokens: Sequence[int] | None = None,
@@ -332,7 +333,8 @@ def encode_publications(
 
     For callers that split many samples over several writes (``store.publish_many``) after
     encoding all of them, so that a bad sample anywhere writes nothing. Payloads are views of
-    the samples' own memory: keep the samples unchanged until the write returns.
+    the samples' own memory: keep the samples unchanged until the write returns. ``names``
+    (default ``samples[<i>]``) start the paths that part record ids and errors show.
     """
     if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
         raise TypeError(f"publish_many takes a sequence of samples, got {type(samples).__name__}")
@@ -340,10 +342,12 @@ def encode_publications(
     counts = [0] * len(samples) if tokens is None else [_check_tokens(n) for n in tokens]
     if len(counts) != len(samples):
         raise ValueError(f"tokens= has {len(counts)} counts for {len(samples)} samples")
+    if names is not None and len(names) != len(samples):
+        raise ValueError(f"names= has {len(names)} entries for {len(samples)} samples")
     special = _Special(store)
     publications, codecs = [], set()
     for number, sample in enumerate(samples):
-        name = f"samples[{number}]"
+        name = names[number] if names is not None else f"samples[{number}]"
         publication, needed = _publication(
             sample, name, kinds, per_sample[number], counts[number], special, dependency_fields, classes
         )

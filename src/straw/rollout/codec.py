@@ -170,8 +170,9 @@ class _SamplePrep:
             array = self.fields[name]
             if name in self.validated or array.size == 0:
                 narrowed = array.astype(_narrow_dtype(name))
-                # A value that does not fit the compact dtype keeps its own (nothing is lost).
-                changed[name] = narrowed if array.size == 0 or np.array_equal(narrowed, array) else array
+                # Log-probs are float32 by design; ids that do not fit int32 keep their own dtype.
+                fits = narrowed.dtype.kind == "f" or array.size == 0 or np.array_equal(narrowed, array)
+                changed[name] = narrowed if fits else array
         if not changed:
             return self.sample
         out = copy.copy(self.sample)
@@ -366,13 +367,14 @@ class SampleCodec:
     def __repr__(self) -> str:
         return f"SampleCodec({self.store!r})"
 
-    def _encode(self, values: Sequence[Any], metadata: Any) -> list[Publication]:
+    def _encode(self, values: Sequence[Any], metadata: Any, single: bool = False) -> list[Publication]:
         prepared = [_Prepared(value, self.config) for value in values]
         names, edges, _ = _tables()
         try:
             return straw_codec.encode_publications(
                 self.store,
                 [p.value for p in prepared],
+                names=["sample"] if single else None,
                 metadata=metadata,
                 tokens=[p.tokens for p in prepared],
                 dependency_fields=edges,
@@ -387,7 +389,7 @@ class SampleCodec:
         """Publish one value as one publication (one durable write); returns its reference."""
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata= is a mapping, got {type(metadata).__name__}")
-        (publication,) = self._encode([value], metadata)
+        (publication,) = self._encode([value], metadata, single=True)
         records = publication.records
         dependencies = [d for d in publication.dependencies if isinstance(d, RecordSetRef)]
         return self.store.publish(records, submission_id=submission_id, dependencies=dependencies)

@@ -147,6 +147,9 @@ class RolloutConfig:
         for field in dataclasses.fields(cls):
             if hasattr(namespace, field.name):
                 values[field.name] = getattr(namespace, field.name)
+        for name in ("identity_extra", "plan_extra"):
+            if not isinstance(values.get(name) or {}, Mapping):
+                raise ValueError(f"{name} must be a dict")
         identity = dict(values.get("identity_extra") or {})
         plan = dict(values.get("plan_extra") or {})
         identity.update({k: getattr(namespace, k) for k in IDENTITY_ATTRIBUTES if hasattr(namespace, k)})

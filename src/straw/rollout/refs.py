@@ -90,6 +90,18 @@ class DiskPayloadRef:
         where = f"{self.manifest.manifest.segment.path}#{self.manifest.manifest.ordinal}"
         return f"{type(self).__name__}({where}, digest={self.manifest.digest[:16]})"
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled as field values in declaration order (no field names), with a receipt's
+        # result reference replaced by the equal manifest object, which pickle then stores
+        # once: an accepted group's reference stays under a KiB.
+        values = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, CommitReceipt) and value.result_ref == self.manifest:
+                value = dataclasses.replace(value, result_ref=self.manifest)
+            values.append(value)
+        return (_rebuild, (type(self), tuple(values)))
+
     def load(
         self,
         *,
@@ -110,6 +122,14 @@ class DiskPayloadRef:
         if self.sample_metadata is not None:
             value = _with_metadata(value, self.sample_metadata)
         return value
+
+
+def _rebuild(cls: type[DiskPayloadRef], values: tuple[Any, ...]) -> DiskPayloadRef:
+    """Unpickle a reference from its field values (see ``DiskPayloadRef.__reduce__``)."""
+    obj = object.__new__(cls)
+    for field, value in zip(dataclasses.fields(cls), values, strict=True):
+        object.__setattr__(obj, field.name, value)
+    return obj
 
 
 def _with_metadata(value: Any, metadata: tuple[dict[str, Any], ...]) -> Any:
