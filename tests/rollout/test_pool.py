@@ -263,3 +263,13 @@ def test_run_io_passes_errors_and_results(make_config: MakeConfig) -> None:
             await run_io(config, fails, "disk gone")
 
     asyncio.run(main())
+
+
+def test_an_archive_replay_writes_to_the_archives_pool(make_config: MakeConfig, tmp_path: Path) -> None:
+    archive_pool = tmp_path / "archive-pool"
+    index = {"format": "straw.rollout-archive", "version": 1, "root": str(archive_pool), "run_id": "debug-run"}
+    (tmp_path / "rollout_3.straw.json").write_text(json.dumps(index))
+    config = make_config(load_debug_rollout_data=str(tmp_path / "rollout_{rollout_id}.straw.json"))
+    store = rollout_store(config).store
+    assert (str(store.backend.root), store.run_id) == (str(archive_pool), "debug-run")
+    assert not Path(config.rollout_data_dir or "").exists()  # the flags' pool is never created

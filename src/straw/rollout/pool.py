@@ -70,7 +70,8 @@ def _declaration(config: RolloutConfig) -> dict[str, Any] | None:
 def _bound(config: RolloutConfig) -> RolloutConfig:
     if not isinstance(config, RolloutConfig):
         raise TypeError(f"expected a RolloutConfig, got {type(config).__name__}")
-    if config.rollout_data_dir:
+    template = config.load_debug_rollout_data
+    if config.rollout_data_dir and not (template and template.endswith(".straw.json")):
         root = os.path.abspath(os.path.expanduser(config.rollout_data_dir))
         return (
             config if root == config.rollout_data_dir else dataclasses.replace(config, rollout_data_dir=root)
@@ -96,7 +97,8 @@ def _key(config: RolloutConfig, declaration: dict[str, Any] | None) -> _Key:
 def rollout_store(config: RolloutConfig) -> RolloutStore:
     """This process's writer for the configuration's pool (opened on first use) and a new codec.
 
-    A configuration whose pool is not bound yet is bound with :func:`resolve_pool`.
+    A configuration without a pool, or replaying a ``.straw.json`` archive (whose pool wins
+    over the flags), is bound with :func:`resolve_pool` first.
     """
     config = _bound(config)
     declaration = _declaration(config)
