@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from straw import SharedFilesystemStore
+from straw import codec as straw_codec
 from straw.codec import PayloadRef
 from straw.errors import InvalidReference, ResourceLimitExceeded, UnsupportedSchema
-from straw.protocol import Record
+from straw.protocol import Record, encode
 from straw.rollout.codec import SampleCodec, register_type
 from straw.rollout.config import RolloutConfig
 from straw.rollout.hooks import DynamicFilterOutput
@@ -377,7 +378,7 @@ def test_scenario_11_selection_allowlist_and_foreign_readers(
     monkeypatch.syspath_prepend(str(modules))
     document = {"v": 1, "root": {"t": "dataclass", "cls": "nonexistent_mod:Thing", "fields": [], "attrs": []}}
     crafted = store.publish(
-        [Record("sample", __import__("straw").protocol.encode(document), "sample.v1")],
+        [Record("sample", encode(document), "sample.v1")],
         submission_id="crafted",
     )
     with pytest.raises(
@@ -484,3 +485,22 @@ def test_register_type_bad_input() -> None:
     with pytest.raises(ValueError, match="'nope' is not a field"):
         register_type(Registered, dependency_field="nope")
     assert register_type(Registered) is Registered
+
+
+def test_rollout_publications_are_plain_straw_codec_publications(make_config: MakeConfig) -> None:
+    bound = rollout_store(make_config())
+    sample = Sample(index=4, tokens=[1, 2], status=SampleStatus.COMPLETED, reward=0.5)
+    sample.rollout_routed_experts = torch.ones((1, 2), dtype=torch.uint8)
+    ref = bound.codec.publish(
+        {
+            "group": [sample],
+            "ref": DiskPayloadRef(
+                bound.codec.publish([1], submission_id="inner"), str(bound.store.backend.root)
+            ),
+        },
+        submission_id="plain",
+    )
+    value = straw_codec.load(ref, reader=bound.store)
+    assert type(value["group"][0]) is Sample and value["group"][0].status is SampleStatus.COMPLETED
+    assert isinstance(value["group"][0].rollout_routed_experts, TensorRef)
+    assert isinstance(value["ref"], DiskPayloadRef) and value["ref"].load() == [1]

@@ -267,7 +267,12 @@ def test_run_io_passes_errors_and_results(make_config: MakeConfig) -> None:
 
 def test_an_archive_replay_writes_to_the_archives_pool(make_config: MakeConfig, tmp_path: Path) -> None:
     archive_pool = tmp_path / "archive-pool"
-    index = {"format": "straw.rollout-archive", "version": 1, "root": str(archive_pool), "run_id": "debug-run"}
+    index = {
+        "format": "straw.rollout-archive",
+        "version": 1,
+        "root": str(archive_pool),
+        "run_id": "debug-run",
+    }
     (tmp_path / "rollout_3.straw.json").write_text(json.dumps(index))
     config = make_config(load_debug_rollout_data=str(tmp_path / "rollout_{rollout_id}.straw.json"))
     store = rollout_store(config).store
