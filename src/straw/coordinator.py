@@ -37,7 +37,7 @@ from ._queue.machine import (
     state_to_dict,
 )
 from .errors import CorruptData, IndeterminateCommit, InvalidReference, UnsafeRecovery, UnsupportedSchema
-from .limits import JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
+from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -53,7 +53,7 @@ from .protocol import (
     digest,
     encode,
 )
-from .store import SharedFilesystemStore
+from .store import Adoption, SharedFilesystemStore
 
 __all__ = ["Coordinator"]
 
@@ -132,6 +132,9 @@ class Coordinator:
         # docs/GC.md "Queue roots": this queue's owner in the pool's catalog, and the packs it
         # is known to own (a reference into an owned pack needs no catalog write).
         self._gc_owner = queue_owner(store.run_id, os.path.relpath(self.directory, root))
+        # docs/GC.md "Queue adoption": publications taken over by durable calls whose staging
+        # has not yet been ended in the catalog (recorded with the next catalog write).
+        self._adopted = Adoption()
         try:
             self._owned = store._owned(self._gc_owner)
             self._journal = Journal(
@@ -254,12 +257,18 @@ class Coordinator:
                 "close it and reopen the queue with recover=True"
             )
 
-    def _commit(self, check: Callable[[], Event | Answer], packs: set[str] | None = None) -> Any:
+    def _commit(
+        self,
+        check: Callable[[], Event | Answer],
+        packs: set[str] | None = None,
+        adopted: Adoption | None = None,
+    ) -> Any:
         """Check, own, journal, apply under the lock; return once the transaction is durable (J2).
 
         ``packs`` are the packs the call's references reach: they are owned by the
         queue in the catalog before the journal names them (G6), so a crash
-        retains too much, never too little.
+        retains too much, never too little. ``adopted`` are the publications the
+        call takes over: their staging ends only after the transaction is durable.
         """
         with self._lock:
             self._usable()
@@ -270,11 +279,7 @@ class Coordinator:
                 reply = result.value
                 self._counters["duplicate_requests"] += 1
             else:
-                if packs:
-                    new = packs - self._owned
-                    if new:
-                        self.store._own(self._gc_owner, new, replace=False)
-                        self._owned |= new
+                self._own_before_naming(packs or set())
                 body = journal_body(result)
                 try:
                     seq = self._journal.append(body)
@@ -294,7 +299,25 @@ class Coordinator:
         except BaseException as error:
             self._broken = error
             raise
+        if adopted and not isinstance(result, Answer):
+            with self._lock:
+                self._adopted.update(adopted)
         return reply
+
+    def _own_before_naming(self, packs: set[str]) -> None:
+        """G6, with the lock held: the queue's owner reaches ``packs`` before the journal names
+        them. Pending adoptions ride along in the same catalog frame; when there are many and
+        no frame is due, they get one of their own (a failure here has journaled nothing)."""
+        new = packs - self._owned
+        adopted = self._adopted
+        if new:
+            self.store._own(self._gc_owner, new, replace=False, adopted=adopted)
+            self._owned |= new
+        elif len(adopted.items) + len(adopted.owners) >= ADOPTIONS_PENDING_MAX:
+            self.store._end_staging(adopted)
+        else:
+            return
+        self._adopted = Adoption()
 
     def _query(self, read: Callable[[], Any]) -> Any:
         """Answer from the state, once everything it may reflect is durable."""
@@ -334,10 +357,12 @@ class Coordinator:
     ) -> list[str]:
         """Add tasks atomically (with the producer's new state); a repeated request returns the same ids."""
         specs = list(tasks)
-        packs = self._verify_inputs(spec.input_ref for spec in specs if isinstance(spec, TaskSpec))
+        packs, adopted = self._verify_inputs(spec.input_ref for spec in specs if isinstance(spec, TaskSpec))
         return list(
             self._commit(
-                lambda: self._state.check_submit(request_id, specs, producer_id, producer_state), packs
+                lambda: self._state.check_submit(request_id, specs, producer_id, producer_state),
+                packs,
+                adopted,
             )
         )
 
@@ -397,12 +422,16 @@ class Coordinator:
         else:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
-            packs = self.store.validate_reach(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
+            adopted = Adoption()
+            packs = self.store.validate_reach(
+                result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
+            )
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id, packs
                 ),
                 packs,
+                adopted,
             )
             self.backend.fault("before_completion_reply")
             # The accepted reference is the caller's own (validated) object: no need to rebuild it.
@@ -435,9 +464,9 @@ class Coordinator:
     def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
         """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata."""
         items = [dict(u) for u in updates]
-        packs = self._verify_inputs(u.get("input_ref") for u in items)
+        packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs))
+        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted))
 
     def save_task_progress(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef) -> str:
         """Record new input for a task while keeping its lease."""
@@ -447,19 +476,21 @@ class Coordinator:
 
     def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
         items = [dict(u) for u in updates]
-        packs = self._verify_inputs(u.get("input_ref") for u in items)
+        packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs))
+        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted))
 
-    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> set[str]:
-        """Verify references through the store; returns the packs they reach (to own them)."""
+    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> tuple[set[str], Adoption]:
+        """Verify references through the store; returns the packs they reach (to own them) and
+        the publications the call takes over (docs/GC.md "Queue adoption")."""
         found = []
         for ref in refs:
             if ref is not None:
                 if not isinstance(ref, RecordSetRef):
                     raise TypeError(f"expected a RecordSetRef, got {type(ref).__name__}")
                 found.append(ref)
-        return self.store.reach(found) if found else set()
+        adopted = Adoption()
+        return (self.store.reach(found, adoption=adopted) if found else set()), adopted
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
@@ -557,10 +588,10 @@ class Coordinator:
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
-        packs = self._verify_inputs([state_ref, progress_ref])
+        packs, adopted = self._verify_inputs([state_ref, progress_ref])
         return dict(
             self._commit(
-                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs
+                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs, adopted
             )
         )
 
@@ -581,14 +612,16 @@ class Coordinator:
         plan_ref: RecordSetRef,
     ) -> dict[str, Any]:
         _text(batch_id, "batch_id")
-        packs = self._verify_inputs([plan_ref])
+        packs, adopted = self._verify_inputs([plan_ref])
         batch = {
             "batch_id": batch_id,
             "consumer_id": consumer_id,
             "input_positions": list(input_positions),
             "plan_ref": as_dict(plan_ref),
         }
-        return dict(self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch), packs))
+        return dict(
+            self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch), packs, adopted)
+        )
 
     def batch_ready(
         self,
@@ -602,12 +635,14 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
-        packs = self._verify_inputs([ready_ref, state_ref, progress_ref])
+        packs, adopted = self._verify_inputs([ready_ref, state_ref, progress_ref])
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
         return dict(
             self._commit(
-                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state), packs
+                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state),
+                packs,
+                adopted,
             )
         )
 
@@ -621,7 +656,7 @@ class Coordinator:
     def register_checkpoint(self, checkpoint_id: str, checkpoint_ref: RecordSetRef) -> dict[str, Any]:
         """Record a training checkpoint's reference; it is a GC root until released."""
         _text(checkpoint_id, "checkpoint_id")
-        packs = self._verify_inputs([checkpoint_ref])
+        packs, adopted = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
 
         def check() -> Event | Answer:
@@ -634,7 +669,7 @@ class Coordinator:
                 return Answer(existing)
             return {"op": "register_checkpoint", "checkpoint_id": checkpoint_id, "checkpoint_ref": ref}
 
-        return dict(self._commit(check, packs))
+        return dict(self._commit(check, packs, adopted))
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
         def check() -> Event | Answer:
@@ -679,8 +714,10 @@ class Coordinator:
             listed, packs = self._state.roots(acknowledged, finished)
             refs = [RecordSetRef.from_dict(d) for d in listed]
             packs |= self.store.reach(refs)
-            self.store._own(self._gc_owner, packs, replace=True)
+            # Pending adoptions end with the same frame: from here on only owners keep those.
+            self.store._own(self._gc_owner, packs, replace=True, adopted=self._adopted)
             self._owned = set(packs)
+            self._adopted = Adoption()
         result = self.store.collect_garbage()
         result["queue_roots"] = len(refs)
         result["queue_packs"] = len(packs)
@@ -765,6 +802,9 @@ class Coordinator:
                     and self._journal.bytes_since_snapshot
                 ):
                     self._snapshot_locked()
+                # Adoptions whose staging is not yet ended in the catalog (they were durable).
+                self.store._end_staging(self._adopted)
+                self._adopted = Adoption()
             finally:
                 self._journal.close()
                 lock.unlock(self._lock_fd)

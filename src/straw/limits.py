@@ -149,6 +149,12 @@ JOURNAL_PREALLOC_BYTES = 4 * MiB
 #: kernel, so a caller waits about one sync instead of one and a half.
 JOURNAL_SYNCS_IN_FLIGHT = 2
 
+#: Publications a coordinator may have taken over before it records the end of their
+#: staging in the catalog (docs/GC.md "Queue adoption"). Until then the queue's own owner
+#: keeps them, so the delay changes nothing a collector decides; the bound keeps the
+#: pending list, and the catalog frame that records it, small.
+ADOPTIONS_PENDING_MAX = 4096
+
 #: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
 QUEUE_ID_BYTES_MAX = 1 * KiB
 

@@ -8,7 +8,36 @@ straw's public modules; torch and PIL are imported where used, and Ray only by
 
 from __future__ import annotations
 
+from .archive import bind_archive_pool
+from .codec import SampleCodec, register_type
+from .config import REMOVED_FLAGS, RolloutConfig, add_arguments, from_args, resolve_pool
+from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
 from .hooks import DynamicFilterOutput, Generator, Hooks, load_function
+from .pool import (
+    RolloutStore,
+    close_rollout_stores,
+    open_reader,
+    probe_roundtrip,
+    rollout_store,
+    run_io,
+    seal_rollout_store,
+)
+from .refs import (
+    DiskPayloadRef,
+    RawRolloutRef,
+    RolloutGroupRef,
+    TrainBatchRef,
+    discard_group,
+    group_lease,
+    inherit_queue_context,
+    load_groups,
+    materialize,
+    pack_group,
+    pack_payload,
+    record_provenance,
+    release_publications,
+    unpack_payload,
+)
 from .sample import (
     NO_VERSION_KEY,
     QUEUE_ATTRIBUTES,
@@ -25,16 +54,49 @@ from .sample import (
 __all__ = [
     "NO_VERSION_KEY",
     "QUEUE_ATTRIBUTES",
+    "REMOVED_FLAGS",
     "REPLAY_FIELDS",
+    "Dataset",
+    "DatasetCursor",
+    "DiskPayloadRef",
     "DynamicFilterOutput",
     "Generator",
     "Hooks",
+    "JsonlDataset",
+    "PromptProducer",
+    "RawRolloutRef",
+    "RolloutConfig",
+    "RolloutGroupRef",
+    "RolloutStore",
     "Sample",
+    "SampleCodec",
     "SampleStatus",
+    "TrainBatchRef",
+    "add_arguments",
+    "bind_archive_pool",
+    "close_rollout_stores",
+    "discard_group",
+    "from_args",
+    "group_lease",
     "group_stage",
+    "inherit_queue_context",
     "iter_samples",
     "load_function",
+    "load_groups",
+    "materialize",
     "numeric_version",
+    "open_reader",
+    "pack_group",
+    "pack_payload",
+    "probe_roundtrip",
+    "record_provenance",
+    "register_type",
+    "release_publications",
+    "resolve_pool",
+    "rollout_store",
+    "run_io",
     "scheduling_key",
+    "seal_rollout_store",
     "staleness",
+    "unpack_payload",
 ]

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
+from .. import codec as straw_codec
 from ..tensor import TensorRef
 
 __all__ = [
@@ -75,22 +76,31 @@ class SampleStatus(str, enum.Enum):
 
 # Classes whose instances the rollout codec may rebuild, by "module:qualname". Sample subclasses
 # join when they are created; ``straw.rollout.codec.register_type`` adds others. The codec reads
-# this table; it never imports a module because a stored document names it.
+# this table; it never imports a module because a stored document names it. Every entry is also
+# registered with straw.codec, so plain ``straw.codec.load`` reads rollout documents too.
 _TYPES: dict[str, type] = {}
-_HOOKS: list[Any] = []  # callables told about each registration (the codec forwards to straw.codec)
+# Reference-like classes: the field holding a RecordSetRef stored as a dependency edge, and the
+# field set to the reading pool's mount path on load (straw.rollout.refs registers its four).
+_EDGES: dict[type, str] = {}
+_ROOTS: dict[type, str] = {}
+_VERSION = [0]  # bumped on every registration, so the codec can cache its views of the tables
 
 
 def _type_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _register(cls: type) -> None:
+def _register(cls: type, *, dependency_field: str | None = None, root_field: str | None = None) -> None:
     """Add ``cls`` to the rollout allowlist (classes defined inside functions cannot be)."""
-    if "<locals>" in cls.__qualname__:
+    if "<" in cls.__qualname__:
         return  # refused with a clear error when such an object is published
+    straw_codec.register(cls)
     _TYPES[_type_name(cls)] = cls
-    for hook in _HOOKS:
-        hook(cls)
+    if dependency_field is not None:
+        _EDGES[cls] = dependency_field
+    if root_field is not None:
+        _ROOTS[cls] = root_field
+    _VERSION[0] += 1
 
 
 def registered_types() -> dict[str, type]:
