@@ -116,3 +116,34 @@ def test_task_reward_and_a_prompt_the_policy_cannot_hold() -> None:
         await generator.aclose()
 
     asyncio.run(main())
+
+
+def test_the_task_jsonl_feeds_the_generator_and_the_trainer(tmp_path) -> None:
+    from straw.rollout.dataset import DatasetCursor, JsonlDataset, PromptProducer
+    from straw.rollout.demo.grpo import GrpoTrainer, group_advantages
+
+    path = task.CopyTask(size=16, seed=3).write_jsonl(tmp_path / "prompts.jsonl")
+    dataset = JsonlDataset(path, input_key="input", label_key="label")
+    producer = PromptProducer(dataset, n_samples_per_prompt=4, shuffle=True, seed=1)
+    groups, _ = producer.draw(2, DatasetCursor())
+    policy = DemoPolicy(seed=7)
+
+    async def main() -> list[list[Sample]]:
+        generator = PolicyGenerator(policy, seed=5)
+        out = [await generator(g, weight_version="0") for g in groups]
+        await generator.aclose()
+        return out
+
+    done = asyncio.run(main())
+    samples = [s for g in done for s in g]
+    assert all(s.reward == task_reward(s) and s.label == s.prompt for s in samples)
+    batch = {
+        "tokens": [s.tokens for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "rewards": group_advantages([s.reward for s in samples], 4),
+        "loss_masks": [[1] * s.response_length for s in samples],
+        "rollout_log_probs": [s.rollout_log_probs for s in samples],
+        "rollout_routed_experts": [s.rollout_routed_experts for s in samples],
+    }
+    metrics = GrpoTrainer(policy).step(batch)
+    assert metrics["log_prob_gap"] < 1e-5  # the generator's routes and log-probs replay exactly
