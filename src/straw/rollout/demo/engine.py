@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .policy import Decoding, DemoPolicy, _step_together, import_weights
+from .policy import Decoding, DemoPolicy, import_weights, step_together
 
 __all__ = ["BatchingEngine", "EngineBusy", "Job"]
 
@@ -221,7 +221,7 @@ class BatchingEngine:
                 for job in batch:
                     job.version = job.version or self.weight_version
                 try:
-                    await self._in_engine(_step_together, self.policy, [j.decoding for j in batch])
+                    await self._in_engine(step_together, self.policy, [j.decoding for j in batch])
                 except Exception as error:  # a broken step fails its generations, not the engine
                     _log.exception("generation step failed")
                     for job in batch:

@@ -30,12 +30,14 @@ from torch.nn import functional as F
 from . import task
 
 __all__ = [
+    "Decoding",
     "DemoPolicy",
     "Generation",
     "PolicyConfig",
     "export_weights",
     "import_weights",
     "sampling_uniform",
+    "step_together",
 ]
 
 # Seeds are reduced to 64 bits before they seed numpy's SeedSequence (which wants non-negative ints).
@@ -205,7 +207,7 @@ class DemoPolicy(nn.Module):
             active = [d for d in decodings if not d.done]
             if not active:
                 break
-            _step_together(self, active)
+            step_together(self, active)
         return [d.result() for d in decodings]
 
 
@@ -266,7 +268,7 @@ class Decoding:
     def step(self) -> None:
         """Generate one token (a no-op once done)."""
         if not self.done:
-            _step_together(self.policy, [self])
+            step_together(self.policy, [self])
 
     def abort(self) -> None:
         """Stop here: the result keeps the tokens so far, with finish reason ``"abort"``."""
@@ -323,7 +325,7 @@ def _per_row(value: int | Sequence[int], rows: int, name: str) -> list[int]:
     return [int(v) for v in value]
 
 
-def _step_together(policy: DemoPolicy, decodings: Sequence[Decoding]) -> None:
+def step_together(policy: DemoPolicy, decodings: Sequence[Decoding]) -> None:
     """One token for each decoding, in one padded forward pass.
 
     Rows are right-padded; causal attention keeps every real position from seeing the pads,
