@@ -8,7 +8,7 @@ straw's public modules; torch and PIL are imported where used, and Ray only by
 
 from __future__ import annotations
 
-from .archive import bind_archive_pool
+from .archive import RolloutArchive, bind_archive_pool, load_debug_rollout_data, save_debug_rollout_data
 from .codec import SampleCodec, register_type
 from .config import REMOVED_FLAGS, RolloutConfig, add_arguments, from_args, resolve_pool
 from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
@@ -65,6 +65,7 @@ __all__ = [
     "JsonlDataset",
     "PromptProducer",
     "RawRolloutRef",
+    "RolloutArchive",
     "RolloutConfig",
     "RolloutGroupRef",
     "RolloutStore",
@@ -81,6 +82,7 @@ __all__ = [
     "group_stage",
     "inherit_queue_context",
     "iter_samples",
+    "load_debug_rollout_data",
     "load_function",
     "load_groups",
     "materialize",
@@ -95,6 +97,7 @@ __all__ = [
     "resolve_pool",
     "rollout_store",
     "run_io",
+    "save_debug_rollout_data",
     "scheduling_key",
     "seal_rollout_store",
     "staleness",
