@@ -46,7 +46,7 @@ from ._view import TrainingView, check_positions
 from .checkpoint import RestorePlan, resolve_checkpoint, rollout_dir, state_token, write_job
 from .config import RolloutConfig, resolve_pool
 from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
-from .pool import rollout_store, seal_rollout_store
+from .pool import rollout_store, seal_rollout_store, settled
 from .refs import RELEASE_CHUNK, DiskPayloadRef, release_publications
 from .sample import NO_VERSION_KEY
 
@@ -533,7 +533,7 @@ class QueueController:
         # pool, or a retry drawing another number of groups, never reuses an id.
         names = [f"input:{self.plan.queue_id}:{count}:{t}" for t in ids]
         with self._bound.lock:
-            refs = self._bound.codec.publish_many(groups, submission_ids=names)
+            refs = settled(lambda: self._bound.codec.publish_many(groups, submission_ids=names))
         tasks = [
             TaskSpec(
                 task_id,
@@ -987,15 +987,19 @@ class QueueController:
         body = training.body()
         name = uuid.uuid4().hex
         with self._bound.lock:
-            state_ref = self._bound.codec.publish(body, submission_id=f"training-state:{name}")
+            state_ref = settled(
+                lambda: self._bound.codec.publish(body, submission_id=f"training-state:{name}")
+            )
             progress = {
                 "version": 1,
                 "processed_positions": body["processed_positions"],
                 "finished_batches": [],
             }
             record = Record("training-progress", encode(progress), codec="json.v1")
-            progress_ref = self._bound.store.publish(
-                [record], submission_id=f"training-progress:{name}", dependencies=[state_ref]
+            progress_ref = settled(
+                lambda: self._bound.store.publish(
+                    [record], submission_id=f"training-progress:{name}", dependencies=[state_ref]
+                )
             )
         view = training.view
         request = (
@@ -1042,7 +1046,8 @@ class QueueController:
                 return None
             body = {"version": 1, "positions": found, "reason": reason, "detail": detail}
             with self._bound.lock:
-                ref = self._bound.codec.publish(body, submission_id=f"disposition:{uuid.uuid4().hex}")
+                name = f"disposition:{uuid.uuid4().hex}"
+                ref = settled(lambda: self._bound.codec.publish(body, submission_id=name))
             view = self._advanced(queue, found)
             self._save_training(queue, self._changed(view=view, disposition=DiskPayloadRef(ref, self._root)))
             release_publications(self.config, [ref])  # the training state depends on it
@@ -1122,9 +1127,8 @@ class QueueController:
                 "configuration": self.configuration(),
             }
             with self._bound.lock:
-                return self._bound.codec.publish(
-                    body, submission_id=f"snapshot:{self.plan.queue_id}:{step}:{uuid.uuid4().hex}"
-                )
+                name = f"snapshot:{self.plan.queue_id}:{step}:{uuid.uuid4().hex}"
+                return settled(lambda: self._bound.codec.publish(body, submission_id=name))
 
     def _unfinished(self, queue: Coordinator) -> list[dict[str, Any]]:
         """Pending or leased prompt tasks, then accepted unprocessed prompt results, one per group."""
@@ -1185,16 +1189,15 @@ class QueueController:
         if not isinstance(metadata, Mapping):
             raise TypeError(f"reader metadata is a mapping, got {type(metadata).__name__}")
         value = dict(metadata)
+        name = f"reader-metadata:{uuid.uuid4().hex}"
+        with self._bound.lock:
+            ref = settled(lambda: self._bound.codec.publish({"metadata": value}, submission_id=name))
         with self._state_lock:
             token = self._reader_tokens.get(consumer)
         if token is None:
             token = queue.open_consumer(consumer, exclusive_owner=EXCLUSIVE_OWNER)
             with self._state_lock:
                 self._reader_tokens[consumer] = token
-        with self._bound.lock:
-            ref = self._bound.codec.publish(
-                {"metadata": value}, submission_id=f"reader-metadata:{uuid.uuid4().hex}"
-            )
         queue.save_consumer_state(
             consumer,
             token=token,

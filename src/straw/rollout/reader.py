@@ -29,7 +29,7 @@ from ..reporting import write_report
 from .checkpoint import rollout_dir
 from .config import RolloutConfig, resolve_pool
 from .controller import ControllerClient, QueueController
-from .pool import open_reader, rollout_store
+from .pool import open_reader, rollout_store, settled
 from .refs import (
     DiskPayloadRef,
     RolloutGroupRef,
@@ -330,9 +330,8 @@ class QueueReader:
             receipts.append(receipt)
         bound = rollout_store(self.config)
         with bound.lock:
-            refs = bound.codec.publish_many(
-                groups, submission_ids=[f"continuation:{uuid.uuid4().hex}" for _ in groups]
-            )
+            names = [f"continuation:{uuid.uuid4().hex}" for _ in groups]
+            refs = settled(lambda: bound.codec.publish_many(groups, submission_ids=names))
         updates, deliveries = [], []
         for group, lease, receipt, ref in zip(groups, leases, receipts, refs, strict=True):
             fields = _return_fields(group, ref)
