@@ -294,6 +294,17 @@ class RolloutScheduler:
         with self._cond:
             return sum(w.capacity for w in self._live())
 
+    def stats(self) -> dict[str, int]:
+        """The collection window now: requests in flight, kept groups waiting, demand, prefetch, capacity."""
+        with self._cond:
+            return {
+                "pending": sum(1 for w in self._workers if w.pending is not None),
+                "ready": len(self._ready),
+                "demand": self._demand,
+                "prefetch": self._prefetch,
+                "capacity": sum(w.capacity for w in self._live()),
+            }
+
     def add_recovered(self, refs: Sequence[RolloutGroupRef]) -> None:
         """Put accepted groups recovered from the queue (resume) in front of the next batch."""
         with self._cond:
