@@ -39,6 +39,7 @@ __all__ = [
     "pack_group",
     "pack_payload",
     "record_provenance",
+    "release_group_staging",
     "release_publications",
     "unpack_payload",
 ]
@@ -398,6 +399,18 @@ def _tensor_refs(group: Any) -> list[TensorRef]:
     return found
 
 
+def release_group_staging(group: Any, *, config: RolloutConfig) -> None:
+    """End the staging of the tensor publications a group's samples reference (of this run).
+
+    A group that will never be published (discarded, or requeued from its last durable
+    input) must not keep its replay captures alive through its writer's staging.
+    """
+    store = rollout_store(config).store
+    tensors = [t for t in _tensor_refs(group) if t.record_ref.segment.run_id == store.run_id]
+    if tensors:
+        release_tensor_publications(store, tensors)
+
+
 def discard_group(group: Any, *, config: RolloutConfig, controller: Controller | None, reason: str) -> None:
     """Drop a group: end the staging of its tensors, then reject its task or dispose its results."""
     if not isinstance(reason, str) or not reason:
@@ -412,10 +425,7 @@ def discard_group(group: Any, *, config: RolloutConfig, controller: Controller |
     )
     if (lease is not None or receipts) and controller is None:
         raise ValueError("Queue group has a lease but no coordinator binding")
-    store = rollout_store(config).store
-    tensors = [t for t in _tensor_refs(group) if t.record_ref.segment.run_id == store.run_id]
-    if tensors:
-        release_tensor_publications(store, tensors)
+    release_group_staging(group, config=config)
     if lease is not None:
         controller.reject(lease, reason)  # type: ignore[union-attr]
     elif receipts:
