@@ -649,7 +649,7 @@ class BatchBuilder:
                 )
             self.batch_id, self.plan_digest = batch_id, str(plan["digest"])
             if existing.get("ready"):
-                return self.split(DiskPayloadRef(_record_set(existing["ready_ref"]), self._root()))
+                return self._split_ready(existing)
             return None
         positions = self._input_positions(raw_ref, flat)
         plan = {**identity, "digest": plan_digest, "raw": raw_ref, "input_positions": positions}
@@ -704,6 +704,16 @@ class BatchBuilder:
         controller.ready_batch(self.batch_id, ref.manifest)
         release_publications(self.config, [ref])  # the ready batch holds it now
         return ref
+
+    def _split_ready(self, batch: Mapping[str, Any]) -> list[TrainBatchRef]:
+        """Split a batch accepted before from its stored conversion, running no hook.
+
+        ``ready_batch`` is repeated first: it is idempotent, and it finishes the training
+        view's advance over the batch's inputs if a crash interrupted it after the accept.
+        """
+        ready = DiskPayloadRef(_record_set(batch["ready_ref"]), self._root())
+        self._controller().ready_batch(str(self.batch_id), ready.manifest)
+        return self.split(ready)
 
     def split(self, data: Any) -> list[TrainBatchRef]:
         """Publish ``data`` (unless it is a stored conversion) and give each DP rank its reference."""
@@ -778,7 +788,7 @@ class BatchBuilder:
         raw = plan.get("raw")
         self.raw_ref = raw if isinstance(raw, RawRolloutRef) else self.raw_ref
         if batch.get("ready"):
-            return self.split(DiskPayloadRef(_record_set(batch["ready_ref"]), self._root()))
+            return self._split_ready(batch)
         if isinstance(data, DiskPayloadRef):
             controller.ready_batch(batch_id, data.manifest)
             release_publications(self.config, [data])
