@@ -13,16 +13,21 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from child_io import CHILD_TIMEOUT_S
 from rollout_helpers import finish, interrupt
 from rollout_jobs import (
     Job,
     ScriptedGenerator,
+    env_with_tests,
     job_config,
     owners,
     pack_files,
@@ -333,3 +338,91 @@ def test_scenario_42_a_damaged_snapshot_restarts_an_empty_queue(
     os.remove(meta)
     with pytest.raises(FileNotFoundError, match=r"Checkpoint component missing: iter_0000001/meta\.json"):
         Job(template.config(ckpt_step=1), ScriptedGenerator("after"))
+
+
+# --------------------------------------------------------------------------- real crashes (issue 14 item 3)
+
+CHILD = Path(__file__).with_name("ckpt_child.py")
+#: The kills `make test` runs; every other phase and inner point runs under the slow marker.
+CRASH_SAMPLE = {("rollback:R2", 1), ("rollback:R5", 1), ("rollback:R4:cancel", 3), ("rollback:R7:remove", 6)}
+
+
+def run_child(spec: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CHILD), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S * 4,
+        check=False,
+        env=dict(env_with_tests()),
+    )
+
+
+def crash_cases() -> list[Any]:
+    return [
+        pytest.param(
+            phase, n, id=f"{phase}#{n}", marks=() if (phase, n) in CRASH_SAMPLE else pytest.mark.slow
+        )
+        for phase, n in faults()
+    ]
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize(("phase", "occurrence"), crash_cases())
+def test_a_rollback_killed_anywhere_ends_like_an_uninterrupted_one(
+    template: Template, reference: Outcome, phase: str, occurrence: int
+) -> None:
+    for explicit in (True, False) if phase != "rollback:R0" else (True,):
+        template.restore()
+        spec = {
+            "mode": "restart",
+            "save": str(template.save),
+            "pool": str(template.pool),
+            "flags": {**template.flags(), "ckpt_step": 1},
+            "phase": phase,
+            "occurrence": occurrence,
+        }
+        result = run_child(spec)
+        assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+        again = template.config(ckpt_step=1) if explicit else template.config()
+        with Job(again, ScriptedGenerator("after")) as job:
+            assert job.plan.step == 1
+            assert observe(job, template) == reference
+
+
+@pytest.mark.crash
+def test_a_crash_before_the_commit_marker_leaves_an_unselectable_step(tmp_path: Path) -> None:
+    save, pool = tmp_path / "save", tmp_path / "pool"
+    flags = {"save_interval": 1, "rollout_queue_online_gc": True}
+    spec = {"mode": "run", "save": str(save), "pool": str(pool), "flags": flags, "steps": 3,
+            "kill_step": 2, "where": "before-marker"}  # fmt: skip
+    result = run_child(spec)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    rollout = save / "rollout"
+    assert (rollout / "queue_state_2.json").exists() and not (rollout / "committed_2.json").exists()
+    model = (save / "iter_0000002" / "model.bin").read_bytes()
+    config = job_config(save, pool, **flags)
+    with Job(config, ScriptedGenerator("after")) as job:
+        assert job.plan.step == 1
+        store = rollout_store(job.config).store
+        for name in ("queue_state_2.json", "builder_state_2.json", "global_dataset_state_dict_2.json"):
+            assert not (rollout / name).exists()
+            assert store.owners(f"checkpoint:{rollout / name}:") == []
+        assert (save / "iter_0000002" / "model.bin").read_bytes() == model  # model files are never touched
+        job.step(2)
+        assert (rollout / "committed_2.json").exists()
+
+
+@pytest.mark.crash
+def test_a_crash_between_the_marker_and_the_tracker_selects_the_commit(tmp_path: Path) -> None:
+    save, pool = tmp_path / "save", tmp_path / "pool"
+    flags = {"save_interval": 1}
+    spec = {"mode": "run", "save": str(save), "pool": str(pool), "flags": flags, "steps": 3,
+            "kill_step": 2, "where": "before-tracker"}  # fmt: skip
+    result = run_child(spec)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert (save / "rollout" / "committed_2.json").exists()
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    with Job(job_config(save, pool, **flags), ScriptedGenerator("after")) as job:
+        assert job.plan.step == 2 and job.config.start_rollout_id == 3
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2\n"
