@@ -80,12 +80,14 @@ class ScriptedGenerator:
         block: Callable[[int], bool] | None = None,
         payload: int = 0,
         on_call: Callable[[int], None] | None = None,
+        on_block: Callable[[int], None] | None = None,
     ) -> None:
         self.tag = tag
         self.interrupt = set(interrupt)
         self.block = block
         self.payload = payload
         self.on_call = on_call
+        self.on_block = on_block
         self.release = threading.Event()
         self.calls: list[int] = []
         self._lock = threading.Lock()
@@ -100,7 +102,7 @@ class ScriptedGenerator:
             self.on_call(index)
         if self.block is not None and self.block(index):
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.release.wait)
+            await loop.run_in_executor(None, self._blocked, index)
         for sample in iter_samples(group):
             extra = [index * 10 + j % 10 for j in range(2 + self.payload)]
             sample.tokens = [*sample.tokens, *extra]
@@ -113,6 +115,11 @@ class ScriptedGenerator:
             sample.status = SampleStatus.COMPLETED
             sample.reward = float(index % 3)
         return group
+
+    def _blocked(self, index: int) -> None:
+        if self.on_block is not None:
+            self.on_block(index)
+        self.release.wait()
 
 
 def write_model(save: Path, step: int, *, text: str | None = None) -> ModelSave:
@@ -272,12 +279,12 @@ def reached_packs(store: SharedFilesystemStore, roots: Iterable[RecordSetRef]) -
     Walked with the public ``manifest()`` view, independently of the catalog, so a test can
     compare what GC kept with what the roots need.
     """
-    seen: set[str] = set()
+    seen: set[Any] = set()
     packs: set[str] = set()
     stack = list(roots)
     while stack:  # bounded by the publications reachable from the roots
         ref = stack.pop()
-        key = f"{ref.manifest.segment.path}#{ref.manifest.ordinal}"
+        key = ref.manifest  # a pack holds many extents, each numbering its records from 0
         if key in seen:
             continue
         seen.add(key)
