@@ -31,6 +31,7 @@ from rollout_jobs import (
     reached_packs,
     task_roots,
 )
+from straw._inspect.save_view import inspect_save
 from straw._inspect.view import inspect_pool
 from straw.protocol import RecordSetRef
 from straw.rollout.archive import read_archive_index
@@ -97,7 +98,18 @@ def assert_bounded(job: Job, save: Path, pool: Path, debug: Path) -> dict[str, A
         assert row["live_bytes"] > 0 and (row["owners"] or row["state"] == "open")
         # The only dead bytes: the zero-filled space a killed writer had allocated ahead.
         assert row["dead_bytes"] == 0 or row["tail"] == "zeros"
+    for commit in inspect_save(save)["commits"]:  # `straw inspect --save` counts the same bytes
+        walked = reached_packs(store, retained_roots_of(save, commit["step"]))
+        assert commit["retained_bytes"] == sum(on_disk[p] for p in walked) > 0
     return view
+
+
+def retained_roots_of(save: Path, step: int) -> list[RecordSetRef]:
+    rollout = save / "rollout"
+    consumer = json.loads((rollout / f"builder_state_{step}.json").read_text())["consumer"]
+    return [
+        RecordSetRef.from_dict(json.loads((rollout / f"queue_state_{step}.json").read_text())["manifest"])
+    ] + [RecordSetRef.from_dict(consumer[k]) for k in ("state_ref", "progress_ref") if consumer.get(k)]
 
 
 def distinct(trained: dict[int, list[int]]) -> None:
