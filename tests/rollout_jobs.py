@@ -81,6 +81,7 @@ class ScriptedGenerator:
         payload: int = 0,
         on_call: Callable[[int], None] | None = None,
         on_block: Callable[[int], None] | None = None,
+        routes: bool = False,
     ) -> None:
         self.tag = tag
         self.interrupt = set(interrupt)
@@ -88,6 +89,7 @@ class ScriptedGenerator:
         self.payload = payload
         self.on_call = on_call
         self.on_block = on_block
+        self.routes = routes
         self.release = threading.Event()
         self.calls: list[int] = []
         self._lock = threading.Lock()
@@ -114,6 +116,13 @@ class ScriptedGenerator:
                 continue
             sample.status = SampleStatus.COMPLETED
             sample.reward = float(index % 3)
+            if self.routes:  # R3 captures: one (layer, top-2) route per token but the last
+                import torch
+
+                rows = len(sample.tokens) - 1
+                sample.rollout_routed_experts = (
+                    (torch.arange(rows * 2) % 4).to(torch.uint8).reshape(rows, 1, 2)
+                )
         return group
 
     def _blocked(self, index: int) -> None:
@@ -138,6 +147,7 @@ class Trained:
     groups: list[int]
     tags: list[str]
     raw: RawRolloutRef
+    samples: list[Sample] = dataclasses.field(default_factory=list)
 
 
 class Job:
@@ -199,6 +209,7 @@ class Job:
             [int(s.group_index) for s in samples],  # type: ignore[arg-type]
             [str((s.metadata or {}).get("by")) for s in samples],
             raw,
+            samples,
         )
         self.trained[rollout_id] = trained
         if self.archive and self.config.save_debug_rollout_data:

@@ -8,7 +8,13 @@ straw's public modules; torch and PIL are imported where used, and Ray only by
 
 from __future__ import annotations
 
-from .archive import RolloutArchive, bind_archive_pool, load_debug_rollout_data, save_debug_rollout_data
+from .archive import (
+    ArchiveReplay,
+    RolloutArchive,
+    bind_archive_pool,
+    load_debug_rollout_data,
+    save_debug_rollout_data,
+)
 from .codec import SampleCodec, register_type
 from .config import REMOVED_FLAGS, RolloutConfig, add_arguments, from_args, resolve_pool
 from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
@@ -56,6 +62,7 @@ __all__ = [
     "QUEUE_ATTRIBUTES",
     "REMOVED_FLAGS",
     "REPLAY_FIELDS",
+    "ArchiveReplay",
     "Dataset",
     "DatasetCursor",
     "DiskPayloadRef",

@@ -48,6 +48,7 @@ __all__ = [
     "ARCHIVE_VERSION",
     "PRIVATE_POOL_DIR",
     "PRIVATE_RUN_ID",
+    "ArchiveReplay",
     "RolloutArchive",
     "archive_paths",
     "bind_archive_pool",
@@ -676,3 +677,56 @@ def remove_archive(path: Path, store: SharedFilesystemStore | None = None) -> bo
                 with RolloutArchive(path) as archive:
                     archive.release()
     return remove_report(path)
+
+
+# --------------------------------------------------------------------------- train-only replay
+
+
+class ArchiveReplay:
+    """Feeds archived rollouts to a train-only job instead of generating them (section 15.4).
+
+    ``collect(rollout_id)`` returns the archived samples and an accepted raw collection of
+    the replay's own queue (a ``debug:`` queue in the archive's pool). A whole ``.straw.json``
+    archive is accepted by reference: the collection's record only names the archive's raw
+    collection or chunk records, so no Sample is encoded again and no tensor is read. With
+    ``--load-debug-rollout-data-subsample``, or from a ``.pt`` dump, the samples are loaded and
+    accepted as a new collection. The BatchBuilder then converts the collection as usual.
+    """
+
+    def __init__(self, config: RolloutConfig, controller: Any) -> None:
+        if not isinstance(config, RolloutConfig):
+            raise TypeError(f"ArchiveReplay takes a RolloutConfig, got {type(config).__name__}")
+        template = config.load_debug_rollout_data
+        if template is None:
+            raise ValueError("ArchiveReplay needs --load-debug-rollout-data")
+        check_debug_template(template)
+        if controller is None:
+            raise ValueError("ArchiveReplay needs the replay job's controller")
+        self.config = config
+        self.controller = controller
+        self.template = template
+
+    def collect(self, rollout_id: int) -> tuple[list[Sample], RawRolloutRef]:
+        """The samples archived for ``rollout_id`` and their accepted raw collection."""
+        from .collection import accept_raw_rollout
+
+        ratio = self.config.load_debug_rollout_data_subsample
+        if self.template.endswith(".straw.json") and ratio is None:
+            with RolloutArchive(debug_path(self.template, rollout_id)) as archive:
+                self._check_pool(archive)
+                samples = archive.load_samples()
+                reference = archive.reference()
+                contents: list[Any] = [reference] if reference is not None else archive.chunk_refs()
+        else:
+            samples = load_debug_rollout_data(self.template, rollout_id=rollout_id, subsample_ratio=ratio)
+            contents = list(samples)
+        raw = accept_raw_rollout(
+            contents, config=self.config, controller=self.controller, rollout_id=rollout_id
+        )
+        return samples, raw
+
+    def _check_pool(self, archive: RolloutArchive) -> None:
+        pool = self.config.rollout_data_dir
+        same_pool = pool is not None and os.path.realpath(archive.root) == os.path.realpath(pool)
+        if not same_pool or archive.manifest.manifest.segment.run_id != self.config.run_id:
+            raise ValueError("Debug rollout archives must belong to the same Straw storage pool and run")
