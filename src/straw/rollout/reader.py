@@ -211,7 +211,8 @@ class QueueReader:
     def _load(self, assignments: Iterable[Assignment]) -> list[Any]:
         items = list(assignments)
         with self._lock:
-            for item in items:
+            for item in items:  # re-inserted, so the local order is the order of taking
+                self._leases.pop(item.lease.task_id, None)
                 self._leases[item.lease.task_id] = item.lease
         try:
             incarnation = self._incarnation_id()
