@@ -984,6 +984,7 @@ class QueueController:
         are its dependencies and stay retained with it; the json.v1 progress record lists the
         processed positions above the cursor for the queue's GC roots (docs/GC.md).
         """
+        self._usable()  # a latched GC error stops saves before anything is written
         body = training.body()
         name = uuid.uuid4().hex
         with self._bound.lock:
@@ -1008,7 +1009,6 @@ class QueueController:
             + ":"
             + digest([as_dict(state_ref), as_dict(progress_ref), view.fetch_cursor, view.processed_cursor])
         )
-        self._usable()  # a latched GC error stops saves too
         queue.save_consumer_state(
             TRAINING,
             token=self._training_token,
