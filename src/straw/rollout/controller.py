@@ -287,6 +287,7 @@ class QueueController:
         self._training_token = ""
         self._recovered = False
         self._rolls_back = False
+        self._planned = False
         try:
             self._start()
         except BaseException:
@@ -322,8 +323,7 @@ class QueueController:
             write_job(config, dataclasses.replace(self.plan, save=config.save))
         self._fault("coordinator")  # 4
         self._open_queue()
-        self._mode_work()  # 5
-        self._scan_tasks()  # 6 (and the indexes a restart needs)
+        self._mode_work()  # 5 and 6
         queue = self._usable()
         self._training_token = queue.open_consumer(TRAINING, exclusive_owner=EXCLUSIVE_OWNER)  # 7
         self._fault("gc")  # 8
@@ -361,41 +361,47 @@ class QueueController:
             raise type(error)(f"{error}; inspect the pool with `straw check {self._root}`") from error
 
     def _mode_work(self) -> None:
+        """Steps 5 and 6: the restore mode's work, then cancelling older collections.
+
+        A resume is refused before it changes anything (beyond the new epoch of opening).
+        """
         queue = self._usable()
-        mode = self.plan.mode
         if self._rolls_back:
             checkpoint.finish_rollback(self, self.plan)
+        self._training = self._load_training(queue)
+        stale = self._scan_tasks(queue)
+        if self.plan.mode == "resume" and (self._planned or self._training.conversion_started):
+            raise RuntimeError(CONVERSION_STARTED)
         if queue.producer_state(PRODUCER) is None:  # a new queue (or one never initialised)
             cursor = self.plan.cursor if self.plan.cursor is not None else DatasetCursor().asdict()
             state = {"version": 1, "timeline": 0, "cursor": DatasetCursor.from_dict(cursor).asdict()}
             queue.submit_tasks("dataset:init", [], producer_id=PRODUCER, producer_state=state)
-        if mode == "resume":
+        if self.plan.mode == "resume":
             reads = list(queue.outstanding_reads())
             for start in range(0, len(reads), RELEASE_CHUNK):
                 queue.release_task_reads(reads[start : start + RELEASE_CHUNK])
-        self._training = self._load_training(queue)
+        for task_id in stale:
+            queue.cancel_task(task_id, request_id=f"abandon:{self.incarnation}:{task_id}")
 
-    def _scan_tasks(self) -> None:
-        """Cancel older incarnations' pending collections; index superseded positions.
+    def _scan_tasks(self, queue: Coordinator) -> list[str]:
+        """Index superseded positions and planned batches; the older collections still pending.
 
         Every task a later call needs to know about is created by this controller, so one
         scan at startup plus incremental updates keep the indexes exact.
         """
-        queue = self._usable()
         mine = f"collection:{self.incarnation}:"
-        planned = False
+        stale = []
         for task_id, status in queue.tasks.items():
             metadata = status["spec"].get("metadata") or {}
             self._superseded.update(int(p) for p in metadata.get("source_positions") or ())
-            planned = planned or task_id.startswith("batch:")
+            self._planned = self._planned or task_id.startswith("batch:")
             if (
                 task_id.startswith("collection:")
                 and not task_id.startswith(mine)
                 and status["state"] in ("pending", "leased")
             ):
-                queue.cancel_task(task_id, request_id=f"abandon:{self.incarnation}:{task_id}")
-        if self.plan.mode == "resume" and (planned or self._training.conversion_started):
-            raise RuntimeError(CONVERSION_STARTED)
+                stale.append(task_id)
+        return stale
 
     def _start_threads(self) -> None:
         targets: list[tuple[str, Callable[[], None]]] = [("keeper", self._keep_manager_leases)]

@@ -340,8 +340,12 @@ class QueueReader:
                 updates.append({"lease": lease, **fields})
             else:
                 deliveries.append({**fields, "estimated_tokens": ref.tokens})
-        self.controller.return_groups(updates, deliveries)
-        release_publications(self.config, refs)  # the queue's tasks hold the continuations now
+        try:
+            self.controller.return_groups(updates, deliveries)
+        finally:
+            # Either the queue's tasks hold the continuations now, or nothing ever will (their
+            # ids are random, nobody retries them): in both cases their staging is over.
+            release_publications(self.config, refs)
         self._drop(leases)
 
     # ------------------------------------------------------------------ the rest
