@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..coordinator import Coordinator, queue_directory
-from ..errors import CorruptData, StaleAttempt, UnsafeRecovery, invariant
+from ..errors import CorruptData, InvalidReference, StaleAttempt, UnsafeRecovery, invariant
 from ..protocol import (
     AcquireResult,
     CommitReceipt,
@@ -647,7 +647,8 @@ class QueueController:
         """Yield leased groups with their continuations; turn accepted groups into deliveries.
 
         Both halves are idempotent after a lost reply: the yield by its request id (a digest
-        of the updates), each delivery by its task id (a digest of its fields).
+        of the updates), each delivery by its task id (a digest of its fields). Updates whose
+        lease is no longer current are left out and answered under ``stale``.
         """
         yields = [_update(item) for item in _items(updates, "updates")]
         specs = [self._delivery(item) for item in _items(deliveries, "deliveries")]
@@ -656,18 +657,40 @@ class QueueController:
         queue = self._usable()
         with self._producer_lock:
             outcomes: list[str] = []
-            if yields:
-                request = "return:" + digest([_update_fields(item) for item in yields])
+            stale = self._stale(queue, yields)
+            current = [item for item in yields if item["lease"].task_id not in stale]
+            if current:
+                request = "return:" + digest([_update_fields(item) for item in current])
                 self._fault("return:yield")
-                outcomes = queue.yield_tasks(yields, request_id=request)
-                self._note_superseded(item.get("metadata") for item in yields)
+                outcomes = queue.yield_tasks(current, request_id=request)
+                self._note_superseded(item.get("metadata") for item in current)
             fresh = [spec for spec in specs if queue.task_status(spec.task_id) is None]
             if fresh:
                 self._fault("return:deliver")
                 queue.submit_tasks("deliver:" + digest([spec.task_id for spec in fresh]), fresh)
                 self._note_superseded(spec.metadata for spec in fresh)
             self._fault("return:done")
-        return {"yielded": outcomes, "delivered": [spec.task_id for spec in specs]}
+        return {"yielded": outcomes, "stale": sorted(stale), "delivered": [spec.task_id for spec in specs]}
+
+    def _stale(self, queue: Coordinator, yields: list[dict[str, Any]]) -> set[str]:
+        """Tasks of updates whose lease is no longer current (the task moved on without it).
+
+        A yield is all or nothing; one lease that expired and went to another reader must
+        not keep a whole batch of partials from returning, so those updates are left out
+        (their continuations are simply not adopted). A lease of another queue is an error.
+        """
+        for item in yields:
+            lease = item["lease"]
+            if (lease.run_id, lease.queue_id) != (self.config.run_id, self.plan.queue_id):
+                where = f"run {lease.run_id!r} queue {lease.queue_id!r}"
+                raise InvalidReference(f"lease of task {lease.task_id!r} belongs to {where}")
+        leases = [item["lease"] for item in yields]
+        outcomes = queue.heartbeat(leases) if leases else []
+        return {
+            lease.task_id
+            for lease, outcome in zip(leases, outcomes, strict=True)
+            if outcome == "StaleAttempt"
+        }
 
     def _delivery(self, item: Mapping[str, Any]) -> TaskSpec:
         allowed = {"input_ref", "priority", "scheduling_key", "metadata", "estimated_tokens"}
