@@ -11,7 +11,6 @@ accepted result nothing replaced): none skipped, none duplicated, nothing accept
 
 from __future__ import annotations
 
-import collections
 import json
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from child_io import children, read_line
-from rollout_helpers import finish, group_indices, prompt_rows
+from rollout_helpers import finish, group_indices, prompt_rows, representatives
 from straw.coordinator import Coordinator
 from straw.rollout.checkpoint import resolve_checkpoint
 from straw.rollout.config import RolloutConfig
@@ -70,26 +69,6 @@ def kill_at(*args: str) -> str:
     )
     with children(child):  # kills the child on the way out
         return read_line(child).strip()
-
-
-def representatives(queue: Coordinator) -> tuple[int, dict[int, int]]:
-    """The producer's next group index, and per group: live tasks + accepted results nothing replaced."""
-    tasks = queue.tasks
-    replaced: set[int] = set()
-    for task_id, status in tasks.items():
-        if task_id.startswith("prompt:"):
-            replaced.update(status["spec"]["metadata"].get("source_positions") or ())
-    count: collections.Counter[int] = collections.Counter()
-    for task_id, status in tasks.items():
-        if task_id.startswith("prompt:") and status["state"] in ("pending", "leased"):
-            count[status["spec"]["metadata"]["group_index"]] += 1
-    for commit in queue.commits:
-        if commit["task_id"].startswith("prompt:") and commit["position"] not in replaced:
-            count[tasks[commit["task_id"]]["spec"]["metadata"]["group_index"]] += 1
-    fresh = sorted(int(t.split(":")[1]) for t in tasks if t.split(":")[1].isdigit())
-    issued = int(queue.producer_state("dataset")["cursor"]["sample_group_index"])
-    assert fresh == list(range(issued)), "fresh prompt tasks are exactly the groups the cursor issued"
-    return issued, dict(count)
 
 
 def check_exactly_once(queue: Coordinator) -> int:

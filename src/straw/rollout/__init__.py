@@ -15,8 +15,18 @@ from .archive import (
     load_debug_rollout_data,
     save_debug_rollout_data,
 )
+from .checkpoint import (
+    ModelSave,
+    RestorePlan,
+    commit_checkpoint,
+    model_dir,
+    read_commit,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .codec import SampleCodec, register_type
 from .config import REMOVED_FLAGS, RolloutConfig, add_arguments, from_args, resolve_pool
+from .controller import EXCLUSIVE_OWNER, ControllerClient, QueueController
 from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
 from .hooks import DynamicFilterOutput, Generator, Hooks, load_function
 from .pool import (
@@ -27,7 +37,9 @@ from .pool import (
     rollout_store,
     run_io,
     seal_rollout_store,
+    settled,
 )
+from .reader import QueueDataSource, QueueReader, QueueReaderConfig, SourceRestore
 from .refs import (
     DiskPayloadRef,
     RawRolloutRef,
@@ -41,6 +53,7 @@ from .refs import (
     pack_group,
     pack_payload,
     record_provenance,
+    release_group_staging,
     release_publications,
     unpack_payload,
 )
@@ -58,11 +71,13 @@ from .sample import (
 )
 
 __all__ = [
+    "EXCLUSIVE_OWNER",
     "NO_VERSION_KEY",
     "QUEUE_ATTRIBUTES",
     "REMOVED_FLAGS",
     "REPLAY_FIELDS",
     "ArchiveReplay",
+    "ControllerClient",
     "Dataset",
     "DatasetCursor",
     "DiskPayloadRef",
@@ -70,8 +85,14 @@ __all__ = [
     "Generator",
     "Hooks",
     "JsonlDataset",
+    "ModelSave",
     "PromptProducer",
+    "QueueController",
+    "QueueDataSource",
+    "QueueReader",
+    "QueueReaderConfig",
     "RawRolloutRef",
+    "RestorePlan",
     "RolloutArchive",
     "RolloutConfig",
     "RolloutGroupRef",
@@ -79,10 +100,12 @@ __all__ = [
     "Sample",
     "SampleCodec",
     "SampleStatus",
+    "SourceRestore",
     "TrainBatchRef",
     "add_arguments",
     "bind_archive_pool",
     "close_rollout_stores",
+    "commit_checkpoint",
     "discard_group",
     "from_args",
     "group_lease",
@@ -93,20 +116,26 @@ __all__ = [
     "load_function",
     "load_groups",
     "materialize",
+    "model_dir",
     "numeric_version",
     "open_reader",
     "pack_group",
     "pack_payload",
     "probe_roundtrip",
+    "read_commit",
     "record_provenance",
     "register_type",
+    "release_group_staging",
     "release_publications",
+    "resolve_checkpoint",
     "resolve_pool",
     "rollout_store",
     "run_io",
+    "save_checkpoint",
     "save_debug_rollout_data",
     "scheduling_key",
     "seal_rollout_store",
+    "settled",
     "staleness",
     "unpack_payload",
 ]

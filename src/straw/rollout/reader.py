@@ -211,7 +211,8 @@ class QueueReader:
     def _load(self, assignments: Iterable[Assignment]) -> list[Any]:
         items = list(assignments)
         with self._lock:
-            for item in items:
+            for item in items:  # re-inserted, so the local order is the order of taking
+                self._leases.pop(item.lease.task_id, None)
                 self._leases[item.lease.task_id] = item.lease
         try:
             incarnation = self._incarnation_id()
@@ -339,8 +340,12 @@ class QueueReader:
                 updates.append({"lease": lease, **fields})
             else:
                 deliveries.append({**fields, "estimated_tokens": ref.tokens})
-        self.controller.return_groups(updates, deliveries)
-        release_publications(self.config, refs)  # the queue's tasks hold the continuations now
+        try:
+            self.controller.return_groups(updates, deliveries)
+        finally:
+            # Either the queue's tasks hold the continuations now, or nothing ever will (their
+            # ids are random, nobody retries them): in both cases their staging is over.
+            release_publications(self.config, refs)
         self._drop(leases)
 
     # ------------------------------------------------------------------ the rest
