@@ -130,7 +130,7 @@ def begin(controller: Any, plan: RestorePlan) -> None:
     controller._fault("rollback:R0")
     timeline, resumed = _timeline(plan)
     context = _Context(plan.step, timeline, resumed)
-    _write_intent(plan, context, done=False)  # R0: the step is pinned from here on
+    _write_intent(plan, context, done=False)  # R0, K3: the step is pinned from here on (I19)
     controller._rollback_context = context
     if read_job(str(plan.save)) is None:  # a save directory restored without its job file
         write_job(controller.config, plan)

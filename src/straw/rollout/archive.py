@@ -529,7 +529,7 @@ def _save(
             }
         manifest = codec.publish(contents, submission_id=f"debug-index:{uuid.uuid4().hex}")
     owner = f"{prefix}{manifest.digest}"
-    store.retain(owner, [manifest])
+    store.retain(owner, [manifest])  # K2: retained before the index names it (I18)
     store.release_publications([*staged, manifest])
     index = {
         "format": ARCHIVE_FORMAT,
@@ -542,7 +542,7 @@ def _save(
         "storage_owner": owner,
         "samples": len(contents["entries"]),
     }
-    return write_report(target, index)
+    return write_report(target, index)  # K2: the index last
 
 
 # --------------------------------------------------------------------------- .pt dumps

@@ -181,7 +181,7 @@ def _model_files(save: Path, model: ModelSave) -> dict[str, dict[str, Any]]:
     for name in model.required:
         if not (path / name).is_file():
             raise ValueError(f"Missing required model checkpoint file: {path / name}")
-    sync_tree(path)  # D0b: the files are durable before the marker names them
+    sync_tree(path)  # D0b, K1 (4): the files are durable before the marker names them (I17)
     recorded: dict[str, dict[str, Any]] = {}
     for file in files:
         entry: dict[str, Any] = {"size": file.stat().st_size}
@@ -242,8 +242,8 @@ def commit_checkpoint(
         "run_id": queue_state.get("run_id", config.run_id),
         "queue_id": queue_state.get("queue_id", job.get("queue_id")),
     }
-    write_report(marker, value)
-    write_tracker(save, step)  # after the marker: a crash in between still selects it (rule 4)
+    write_report(marker, value)  # K1 (5): every file it names is durable (I17)
+    write_tracker(save, step)  # K1 (6), after the marker: a crash in between still selects it (rule 4)
     return marker
 
 
