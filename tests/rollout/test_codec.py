@@ -225,7 +225,7 @@ def test_score_centering_ragged_top_p(make_config: MakeConfig) -> None:
         ({"rollout_top_p_token_ids": [[5], [6], [7]]}, "must be 1-D"),
     ]
     for change, message in cases:
-        with pytest.raises(ValueError, match=f"^Score-centering data of sample 2 is invalid: .*{message}"):
+        with pytest.raises(ValueError, match=rf"^Score-centering data of sample 2 is invalid: .*{message}"):
             codec.publish([dataclasses.replace(good, **change)], submission_id="bad-topp")
     empty = codec.load(
         codec.publish([dataclasses.replace(base, response_length=0, tokens=[1])], submission_id="e")

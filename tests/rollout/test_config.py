@@ -288,7 +288,7 @@ def test_a_straw_json_replay_template_binds_the_archives_pool(tmp_path: Path) ->
 def test_a_bad_archive_index_is_refused(tmp_path: Path, content: str) -> None:
     path = tmp_path / "rollout_0.straw.json"
     path.write_text(content)
-    with pytest.raises(ValueError, match=f"^Unsupported straw rollout archive: {path}$"):
+    with pytest.raises(ValueError, match=rf"^Unsupported straw rollout archive: {path}$"):
         read_archive_index(path)
     config = config_of(load_debug_rollout_data=str(tmp_path / "rollout_{rollout_id}.straw.json"))
     with pytest.raises(ValueError, match="Unsupported straw rollout archive"):

@@ -85,7 +85,7 @@ def test_cursor_round_trip_and_checks() -> None:
     for key in ("epoch_id", "sample_offset", "sample_group_index", "sample_index", "metadata"):
         data = cursor.asdict()
         del data[key]
-        with pytest.raises(ValueError, match=f"^Dataset checkpoint is missing {key}$"):
+        with pytest.raises(ValueError, match=rf"^Dataset checkpoint is missing {key}$"):
             DatasetCursor.from_dict(data)
     with pytest.raises(ValueError, match="non-negative integer"):
         DatasetCursor(epoch_id=-1)

@@ -118,7 +118,7 @@ def test_scenario_5_juicefs_without_a_declaration_fails_before_any_file(
 
 def test_declarations_are_read_and_checked(make_config: MakeConfig, pool: Path, tmp_path: Path) -> None:
     absent = tmp_path / "absent.json"
-    with pytest.raises(ValueError, match=f"^Cannot read --rollout-storage-declaration {absent}: "):
+    with pytest.raises(ValueError, match=rf"^Cannot read --rollout-storage-declaration {absent}: "):
         rollout_store(make_config(rollout_storage_declaration=str(absent)))
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")

@@ -22,7 +22,7 @@ from ..store import ReadSession, SharedFilesystemStore
 from ..tensor import TensorRef, release_tensor_publications
 from .codec import decode_value, register_type
 from .config import RolloutConfig
-from .pool import open_reader, rollout_store
+from .pool import open_reader, rollout_store, settled
 from .sample import QUEUE_ATTRIBUTES, Sample, iter_samples
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "pack_group",
     "pack_payload",
     "record_provenance",
+    "release_group_staging",
     "release_publications",
     "unpack_payload",
 ]
@@ -238,7 +239,7 @@ def pack_payload(
         return value
     name = submission_id if submission_id is not None else f"payload:{rollout_id}:{uuid.uuid4().hex}"
     with bound.lock:
-        manifest = bound.codec.publish(value, submission_id=name, metadata=metadata)
+        manifest = settled(lambda: bound.codec.publish(value, submission_id=name, metadata=metadata))
     return DiskPayloadRef(manifest, str(bound.store.backend.root))
 
 
@@ -373,8 +374,9 @@ def pack_group(
     record_provenance(group)
     bound = rollout_store(config)
     metadata = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
+    name = f"group:{lease.attempt_id}"
     with bound.lock:
-        manifest = bound.codec.publish(group, submission_id=f"group:{lease.attempt_id}", metadata=metadata)
+        manifest = settled(lambda: bound.codec.publish(group, submission_id=name, metadata=metadata))
     receipt = controller.complete(lease, manifest)
     release_publications(config, [manifest])  # the queue's accepted log holds it now
     return RolloutGroupRef(
@@ -397,6 +399,18 @@ def _tensor_refs(group: Any) -> list[TensorRef]:
     return found
 
 
+def release_group_staging(group: Any, *, config: RolloutConfig) -> None:
+    """End the staging of the tensor publications a group's samples reference (of this run).
+
+    A group that will never be published (discarded, or requeued from its last durable
+    input) must not keep its replay captures alive through its writer's staging.
+    """
+    store = rollout_store(config).store
+    tensors = [t for t in _tensor_refs(group) if t.record_ref.segment.run_id == store.run_id]
+    if tensors:
+        release_tensor_publications(store, tensors)
+
+
 def discard_group(group: Any, *, config: RolloutConfig, controller: Controller | None, reason: str) -> None:
     """Drop a group: end the staging of its tensors, then reject its task or dispose its results."""
     if not isinstance(reason, str) or not reason:
@@ -411,10 +425,7 @@ def discard_group(group: Any, *, config: RolloutConfig, controller: Controller |
     )
     if (lease is not None or receipts) and controller is None:
         raise ValueError("Queue group has a lease but no coordinator binding")
-    store = rollout_store(config).store
-    tensors = [t for t in _tensor_refs(group) if t.record_ref.segment.run_id == store.run_id]
-    if tensors:
-        release_tensor_publications(store, tensors)
+    release_group_staging(group, config=config)
     if lease is not None:
         controller.reject(lease, reason)  # type: ignore[union-attr]
     elif receipts:
