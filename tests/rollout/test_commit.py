@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +333,22 @@ def test_scenario_47_restore_checks_the_run_the_pool_and_the_data(
         QueueController(job_config(save, pool), dataset=rows(150))
     with Job(job_config(save, pool), ScriptedGenerator("fixed")) as job:  # the right data: it starts
         assert job.plan.mode == "rollback" and job.plan.step == 1
+
+
+def test_a_lost_pool_restores_into_another_pool_without_the_queue(
+    save: Path, pool: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trained = run_job(save, pool, 3, save_interval=2)
+    shutil.rmtree(pool)
+    elsewhere = tmp_path / "new-pool"
+    config = job_config(save, elsewhere)
+    with (
+        caplog.at_level(logging.WARNING, logger="straw.rollout"),
+        Job(config, ScriptedGenerator("after")) as job,
+    ):
+        assert job.plan.mode == "rollback" and job.plan.step == 2
+        assert job.controller.plan.snapshot_problem is not None
+        assert "no usable queue snapshot" in caplog.text
+        # The unfinished groups of step 2 are not reissued: the queue restarts at the cursor.
+        assert job.step(3).groups[0] > max(g for groups in trained.values() for g in groups)
+    assert json.loads((save / "rollout" / "job.json").read_text())["pool"] == str(elsewhere)

@@ -321,6 +321,20 @@ def test_scenario_42_a_damaged_snapshot_restarts_an_empty_queue(
         assert job.plan.cursor_source == "file"
         assert producer["cursor"] == {k: dataset[k] for k in cursor_file}
         assert "global_dataset_state_dict_1.json" in caplog.text
+    # A deleted snapshot pack: the queue_state file's inline copy is the cursor.
+    template.restore()
+    index = json.loads((rollout / "queue_state_1.json").read_text())
+    os.remove(template.pool / index["manifest"]["manifest"]["segment"]["path"])
+    job, producer = damaged_restart(template, caplog)
+    with job:
+        assert job.controller.plan.snapshot_problem is not None
+        assert producer["cursor"] == index["producer"]["cursor"]
+        assert "inline copy" in caplog.text
+        # A data source whose controller does not tell its plan (a proxy) reads the damaged
+        # snapshot for its consumers' states: a warning, and they start fresh.
+        job.controller.plan = dataclasses.replace(job.controller.plan, snapshot_problem=None)
+        assert job.source._saved_consumers(1) == {}
+        assert "Consumer states of step 1 cannot be read" in caplog.text
     # Removed rollout files: the dataset starts over.
     template.restore()
     for name in ("queue_state_1.json", "builder_state_1.json", "global_dataset_state_dict_1.json"):

@@ -144,21 +144,6 @@ def begin(controller: Any, plan: RestorePlan) -> None:
     controller.plan = plan
 
 
-def _configuration(controller: Any) -> dict[str, Any]:
-    """The data source's identity as ``QueueController.configuration()`` gives it, queue closed."""
-    config = controller.config
-    dataset = controller._prompt_producer().dataset
-    named = getattr(dataset, "identity", None)
-    return {
-        "dataset_size": len(dataset),
-        "n_samples_per_prompt": config.n_samples_per_prompt,
-        "seed": config.rollout_seed,
-        "shuffle": bool(config.rollout_shuffle),
-        "run_id": config.run_id,
-        "dataset": named() if callable(named) else {},
-    }
-
-
 def _canonical(value: Any) -> Any:
     try:
         return decode(encode(value))
@@ -168,7 +153,7 @@ def _canonical(value: Any) -> Any:
 
 def _check_configuration(controller: Any, plan: RestorePlan) -> None:
     """R1: the data source must be the checkpoint's (an error, never a fallback)."""
-    current = _configuration(controller)
+    current = controller.data_configuration()
     saved = (plan.snapshot or {}).get("configuration")
     if isinstance(saved, Mapping):
         keys = [k for k in CHECKED_CONFIGURATION if k in saved]
