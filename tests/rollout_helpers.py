@@ -6,8 +6,10 @@ started as ``python tests/rollout/<file>.py`` add ``tests/`` themselves.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
+from straw.coordinator import Coordinator
 from straw.rollout.sample import Sample, SampleStatus, iter_samples
 
 
@@ -46,3 +48,29 @@ def group_indices(groups: list[Any]) -> list[int]:
 
 def plain_group(index: int, size: int = 1) -> list[Sample]:
     return [Sample(index=index + i, group_index=index) for i in range(size)]
+
+
+def representatives(queue: Coordinator) -> tuple[int, dict[int, int]]:
+    """The producer's next group index, and per group index its live representatives.
+
+    A representative is a pending or leased prompt task, or an accepted prompt result that no
+    other prompt task replaced (names in ``source_positions``). Every issued group has exactly
+    one, unless it was rejected (then none). Fresh prompt task ids must be exactly the groups
+    the cursor issued.
+    """
+    tasks = queue.tasks
+    replaced: set[int] = set()
+    for task_id, status in tasks.items():
+        if task_id.startswith("prompt:"):
+            replaced.update(status["spec"]["metadata"].get("source_positions") or ())
+    count: collections.Counter[int] = collections.Counter()
+    for task_id, status in tasks.items():
+        if task_id.startswith("prompt:") and status["state"] in ("pending", "leased"):
+            count[status["spec"]["metadata"]["group_index"]] += 1
+    for commit in queue.commits:
+        if commit["task_id"].startswith("prompt:") and commit["position"] not in replaced:
+            count[tasks[commit["task_id"]]["spec"]["metadata"]["group_index"]] += 1
+    fresh = sorted(int(t.split(":")[1]) for t in tasks if t.split(":")[1].isdigit())
+    issued = int(queue.producer_state("dataset")["cursor"]["sample_group_index"])
+    assert fresh == list(range(issued)), "fresh prompt tasks are exactly the groups the cursor issued"
+    return issued, dict(count)

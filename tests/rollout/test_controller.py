@@ -12,7 +12,7 @@ import pytest
 from queue_helpers import Clock
 from rollout_helpers import finish, group_indices, interrupt, prompt_rows
 from straw.errors import LeaseExpired, StaleAttempt
-from straw.protocol import CommitReceipt, Lease, TaskSpec, decode
+from straw.protocol import CommitReceipt, Lease, RecordSetRef, TaskSpec, decode
 from straw.rollout.checkpoint import RestorePlan
 from straw.rollout.config import RolloutConfig
 from straw.rollout.controller import EXCLUSIVE_OWNER, QueueController
@@ -405,3 +405,27 @@ def test_the_training_consumer_and_identity(open_controller: OpenController) -> 
         "run_id": "rollout", "queue_id": identity["queue_id"], "dataset": {},
     }  # fmt: skip
     assert controller.training_state() is None
+
+
+def test_a_stale_lease_does_not_keep_other_groups_from_returning(
+    open_controller: OpenController, open_reader: OpenReader
+) -> None:
+    controller = open_controller()
+    reader = open_reader(controller, "a")
+    first, second = reader.get_samples(2)
+    controller.queue.cancel_task("prompt:0", request_id="test:cancel")  # first's lease is stale now
+    reader.add_samples([interrupt(first), interrupt(second)])
+    assert controller.status("prompt:1")["spec"]["metadata"]["returned"] is True  # type: ignore[index]
+    status = controller.status("prompt:0")
+    assert status is not None and status["state"] == "cancelled"
+    assert "returned" not in status["spec"]["metadata"]  # the stale continuation was not adopted
+    assert reader.leases() == []
+    lease = Lease.from_dict(second[0]._queue_lease)
+    answer = controller.return_groups(
+        [{"lease": lease, "input_ref": status_input(controller, "prompt:1")}], []
+    )
+    assert answer["stale"] == ["prompt:1"] and answer["yielded"] == []  # a repeat: already yielded
+
+
+def status_input(controller: QueueController, task_id: str) -> RecordSetRef:
+    return RecordSetRef.from_dict(controller.status(task_id)["spec"]["input_ref"])  # type: ignore[index]

@@ -17,6 +17,7 @@ import pytest
 import straw.rollout.controller as controller_module
 from child_io import CHILD_TIMEOUT_S, children, read_line
 from rollout_helpers import prompt_rows
+from straw.errors import CorruptData
 from straw.reporting import try_lock
 from straw.rollout.checkpoint import RestorePlan, resolve_checkpoint
 from straw.rollout.config import RolloutConfig
@@ -230,3 +231,18 @@ def test_restore_plans_of_the_later_modes_are_refused(make_config: MakeConfig, s
         QueueController(config, dataset=prompt_rows(4), restore_plan=plan)
     assert lock_is_free(save)
     assert not (save / "rollout" / "job.json").exists()
+
+
+def test_a_damaged_queue_is_reported_with_straw_check(make_config: MakeConfig, save: Path) -> None:
+    config = make_config(save=str(save), save_interval=1)
+    with QueueController(config, dataset=prompt_rows(4)) as controller:
+        controller.take("r", 3)
+        directory = Path(controller.queue.directory)
+    (snapshot,) = (directory / "snap").glob("*.snap")  # closing wrote one
+    data = bytearray(snapshot.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snapshot.write_bytes(bytes(data))
+    with pytest.raises(CorruptData, match=rf"inspect the pool with `straw check {config.rollout_data_dir}`$"):
+        QueueController(config, dataset=prompt_rows(4))
+    assert lock_is_free(save)
+    assert snapshot.read_bytes() == bytes(data)  # never replaced silently

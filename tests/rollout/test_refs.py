@@ -1,8 +1,7 @@
 """straw.rollout.refs: the reference types and the payload helpers (acceptance scenario 12).
 
-``pack_group`` and ``discard_group`` call three methods of the job's controller; until the
-controller exists these tests give them ``QueueOnly``, a small stand-in that performs those
-calls on a real ``Coordinator`` (the completion and the rejection are the real queue's).
+``pack_group`` and ``discard_group`` run against a real ``QueueController``: the completion,
+the rejection and the dispositions are the job's own, checked in its queue and training view.
 """
 
 from __future__ import annotations
@@ -10,17 +9,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from straw.coordinator import Coordinator
 from straw.errors import InvalidReference
-from straw.protocol import CommitReceipt, Lease, RecordSetRef, TaskSpec, decode, encode
+from straw.protocol import CommitReceipt, Lease, RecordSetRef, decode
 from straw.rollout.config import RolloutConfig
+from straw.rollout.controller import QueueController
 from straw.rollout.pool import rollout_store, seal_rollout_store
 from straw.rollout.refs import (
     DiskPayloadRef,
@@ -44,39 +43,6 @@ from straw.tensor import TensorRef, publish_tensors
 MakeConfig = Callable[..., RolloutConfig]
 
 
-class QueueOnly:
-    """The controller calls of pack_group/discard_group, done on a real Coordinator."""
-
-    def __init__(self, config: RolloutConfig) -> None:
-        self.queue = Coordinator(
-            rollout_store(config).store, queue_id="refs-tests", namespace=True, exclusive_owner="refs tests"
-        )
-        self.dispositions: list[tuple[list[int], str]] = []
-
-    def complete(self, lease: Lease, result_ref: RecordSetRef) -> CommitReceipt:
-        return self.queue.complete_task(
-            lease,
-            submission_id=f"result:{lease.attempt_id}",
-            result_ref=result_ref,
-            result_digest=result_ref.digest,
-        )
-
-    def reject(self, lease: Lease, reason: str) -> str:
-        failure = encode({"category": "Filtered", "reason": reason}).decode()
-        return self.queue.fail_task(
-            lease, request_id=f"reject:{lease.attempt_id}", failure=failure, retryable=False
-        )
-
-    def record_dispositions(self, positions: Sequence[int], reason: str) -> None:
-        self.dispositions.append((list(positions), reason))
-
-    def lease(self, task_id: str) -> Lease:
-        self.queue.submit_tasks(f"submit:{task_id}", [TaskSpec(task_id, allow_empty=True)])
-        result = self.queue.acquire("reader", task_ids=[task_id])
-        assert result.status == "acquired"
-        return result.assignments[0].lease
-
-
 @pytest.fixture
 def gc_config(make_config: MakeConfig) -> RolloutConfig:
     """The configuration of the queue tests: with online GC, so staging is visible in the catalog."""
@@ -84,10 +50,16 @@ def gc_config(make_config: MakeConfig) -> RolloutConfig:
 
 
 @pytest.fixture
-def controller(gc_config: RolloutConfig) -> Iterator[QueueOnly]:
-    queue = QueueOnly(gc_config)
+def controller(gc_config: RolloutConfig) -> Iterator[QueueController]:
+    queue = QueueController(gc_config, dataset=[{"input": f"p{i}"} for i in range(20)], start_gc=False)
     yield queue
-    queue.queue.close()
+    queue.close()
+
+
+def lease_of(controller: QueueController) -> Lease:
+    """A reader's lease on the next prompt task."""
+    (assignment,) = controller.take("reader", 1).assignments
+    return assignment.lease
 
 
 def leased_group(lease: Lease, *, first_index: int = 0, size: int = 2) -> list[Sample]:
@@ -187,18 +159,20 @@ def test_record_provenance_spans_each_attempt() -> None:
 # --------------------------------------------------------------------------- pack_group / discard_group
 
 
-def test_pack_group_accepts_a_leased_group(gc_config: RolloutConfig, controller: QueueOnly) -> None:
+def test_pack_group_accepts_a_leased_group(gc_config: RolloutConfig, controller: QueueController) -> None:
     config = gc_config
-    lease = controller.lease("prompt:7")
+    lease = lease_of(controller)
     group = leased_group(lease, first_index=14)
     ref = pack_group(group, config=config, controller=controller, rollout_id=0)
     assert isinstance(ref, RolloutGroupRef) and ref.index == 14 and ref.receipt is not None
-    assert ref.manifest == ref.receipt.result_ref and ref.receipt.task_id == "prompt:7"
-    assert controller.queue.task_status("prompt:7")["state"] == "completed"  # type: ignore[index]
+    assert ref.manifest == ref.receipt.result_ref and ref.receipt.task_id == "prompt:0"
+    assert controller.status("prompt:0")["state"] == "completed"  # type: ignore[index]
+    assert controller.result(lease) == ref.receipt and controller.accepted(ref.receipt) == ref.receipt
+    assert controller.metrics()["accepted_unprocessed"]["count"] == 1
     store = rollout_store(config).store
     records = list(store.read(ref.manifest))
     assert all(
-        r.metadata["task_id"] == "prompt:7" and r.metadata["attempt_id"] == lease.attempt_id for r in records
+        r.metadata["task_id"] == "prompt:0" and r.metadata["attempt_id"] == lease.attempt_id for r in records
     )
     loaded = ref.load()
     assert [s.index for s in loaded] == [14, 15]
@@ -211,45 +185,67 @@ def test_pack_group_accepts_a_leased_group(gc_config: RolloutConfig, controller:
     assert again == ref
 
 
-def test_pack_group_without_a_lease_or_a_controller(gc_config: RolloutConfig, controller: QueueOnly) -> None:
+def test_pack_group_without_a_lease_or_a_controller(
+    gc_config: RolloutConfig, controller: QueueController
+) -> None:
     config = gc_config
     plain = [Sample(index=1)]
     assert pack_group(plain, config=config, controller=None, rollout_id=0) is plain
-    group = leased_group(controller.lease("prompt:8"))
+    group = leased_group(lease_of(controller))
+    writes = rollout_store(config).store.metrics["writes"]
     with pytest.raises(ValueError, match=r"^Queue group has a lease but no coordinator binding$"):
         pack_group(group, config=config, controller=None, rollout_id=0)
     group[0].index = None
     group[1].index = None
     with pytest.raises(ValueError, match="needs an integer index"):
         pack_group(group, config=config, controller=controller, rollout_id=0)
-    assert rollout_store(config).store.metrics["writes"] == 0
+    assert rollout_store(config).store.metrics["writes"] == writes
+    assert controller.queue.commits == []
 
 
-def test_discard_group_rejects_or_disposes(gc_config: RolloutConfig, controller: QueueOnly) -> None:
+def test_discard_group_rejects_or_disposes(gc_config: RolloutConfig, controller: QueueController) -> None:
     config = gc_config
     store = rollout_store(config).store
-    lease = controller.lease("prompt:9")
+    lease = lease_of(controller)
     group = leased_group(lease)
     (routes,) = publish_tensors(store, {"rollout_routed_experts": torch.zeros(2, 1)}, submission_id="routes")
     group[0].rollout_routed_experts = routes
     discard_group(group, config=config, controller=controller, reason="dup")
-    status = controller.queue.task_status("prompt:9")
+    status = controller.status(lease.task_id)
     assert status is not None and status["state"] == "failed"
     assert decode(status["failure"].encode()) == {"category": "Filtered", "reason": "dup"}
     seal_rollout_store(config)
     assert store.explain(routes.record_ref.segment.path)["staging_over"] is True
 
+    positions = [
+        pack_group(
+            leased_group(lease_of(controller)), config=config, controller=controller, rollout_id=0
+        ).receipt.position
+        for _ in range(3)
+    ]
+    assert positions == [0, 1, 2]
     delivered = [Sample(index=0), Sample(index=1), Sample(index=2)]
-    for sample, position in zip(delivered, (4, 2, 4), strict=True):
+    for sample, position in zip(delivered, (2, 1, 2), strict=True):
         sample._queue_receipt = {"position": position}  # type: ignore[attr-defined]
     discard_group(delivered, config=config, controller=controller, reason="rollout_sample_filter")
-    assert controller.dispositions == [([2, 4], "rollout_sample_filter")]
+    view = controller.training_view()
+    assert view["processed_cursor"] == 0 and view["processed_positions"] == [1, 2]
+    state = controller.training_state()
+    assert state is not None
+    body = rollout_store(config).codec.load(RecordSetRef.from_dict(state["state_ref"]))
+    assert body["disposition"].load() == {
+        "version": 1, "positions": [1, 2], "reason": "rollout_sample_filter", "detail": None,
+    }  # fmt: skip
     discard_group([Sample()], config=config, controller=None, reason="unleased")  # only staging to end
     with pytest.raises(ValueError, match="non-empty reason"):
         discard_group([Sample()], config=config, controller=controller, reason="")
     with pytest.raises(ValueError, match="no coordinator binding"):
         discard_group(delivered, config=config, controller=None, reason="x")
-    assert controller.dispositions == [([2, 4], "rollout_sample_filter")]
+    unknown = [Sample(index=5)]
+    unknown[0]._queue_receipt = {"position": 9}  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"^Invalid accepted-output disposition$"):
+        discard_group(unknown, config=config, controller=controller, reason="x")
+    assert controller.training_view() == view
 
 
 # --------------------------------------------------------------------------- payloads and groups
@@ -271,10 +267,10 @@ def test_pack_payload_and_unpack(make_config: MakeConfig, pool: Path) -> None:
 
 
 def test_load_groups_marks_accepted_groups_and_expands(
-    gc_config: RolloutConfig, controller: QueueOnly
+    gc_config: RolloutConfig, controller: QueueController
 ) -> None:
     config = gc_config
-    accepted = pack_group(leased_group(controller.lease("prompt:1"), first_index=0), config=config,
+    accepted = pack_group(leased_group(lease_of(controller), first_index=0), config=config,
                           controller=controller, rollout_id=0)  # fmt: skip
     delivered = dataclasses.replace(accepted, source_positions=(5, 6))
     plain_group = [Sample(index=9)]

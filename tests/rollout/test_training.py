@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from rollout_helpers import finish, group_indices, interrupt
+from straw.coordinator import Coordinator
 from straw.protocol import CommitReceipt, RecordSetRef, decode
 from straw.rollout.checkpoint import RestorePlan
 from straw.rollout.config import RolloutConfig
-from straw.rollout.controller import QueueController
+from straw.rollout.controller import EXCLUSIVE_OWNER, QueueController
 from straw.rollout.pool import rollout_store
 from straw.rollout.reader import QueueReader
 from straw.rollout.refs import DiskPayloadRef, RolloutGroupRef, load_groups, pack_payload
@@ -247,3 +248,61 @@ def test_metrics(open_controller: OpenController, open_reader: OpenReader) -> No
     assert metrics["accepted_unprocessed"] == {"count": 1, "bytes": ref.manifest.payload_bytes}
     assert metrics["pending_returned"] == 1 and metrics["failed_groups"] == 0
     assert group_indices(reader.get_samples(1)) == [1]
+
+
+def test_an_interrupted_plan_or_ready_is_reconciled_by_the_next_call(
+    open_controller: OpenController, open_reader: OpenReader
+) -> None:
+    failing: dict[str, str | None] = {"phase": None}
+
+    def fault(phase: str) -> None:
+        if phase == failing["phase"]:
+            raise OSError(f"interrupted at {phase}")
+
+    controller = open_controller(fault=fault)
+    raw = collect(controller, open_reader(controller), 2)
+    batch_id, positions, plan_ref = plan(controller, raw)
+    failing["phase"] = "plan:state"  # the plan is recorded, the training state not yet saved
+    with pytest.raises(OSError, match="interrupted at plan:state"):
+        controller.plan_batch(batch_id, positions, plan_ref)
+    assert controller.batch(batch_id) is not None and controller.training_state() is None
+    failing["phase"] = None
+    assert controller.plan_batch(batch_id, positions, plan_ref)["input_positions"] == [0, 1, 2]
+    assert controller.training_state() is not None
+    conversion = convert(controller, batch_id)
+    failing["phase"] = "ready:advance"  # accepted, not yet advanced
+    with pytest.raises(OSError, match="interrupted at ready:advance"):
+        controller.ready_batch(batch_id, conversion)
+    found = controller.batch(batch_id)
+    assert found is not None and found["ready"] and controller.training_view()["processed_cursor"] == 0
+    failing["phase"] = None
+    receipt = controller.ready_batch(batch_id, conversion)
+    assert receipt.position == 3 and controller.training_view()["processed_cursor"] == 3
+    assert [b["batch_id"] for b in controller.training_view()["batches"]] == [batch_id]
+
+
+def test_a_refused_resume_changes_nothing_it_could_avoid(
+    open_controller: OpenController, open_reader: OpenReader
+) -> None:
+    controller = open_controller()
+    raw = collect(controller, open_reader(controller), 2)
+    controller.plan_batch(*plan(controller, raw))
+    pending = controller.begin_collection("1")
+    queue_id, config = controller.plan.queue_id, controller.config
+    controller.close()
+    with pytest.raises(
+        RuntimeError, match=r"^Queue-only recovery is limited to an interrupted first rollout"
+    ):
+        QueueController(
+            config, dataset=[{"input": "x"}], restore_plan=RestorePlan("resume", queue_id=queue_id)
+        )
+    later = open_controller(
+        config, restore_plan=RestorePlan("new", queue_id=queue_id.replace("run:", "run:0"))
+    )
+    assert later.take("r", 1).status == "acquired"  # the lock and the writer were left usable
+    store = rollout_store(config).store
+    with Coordinator(
+        store, queue_id=queue_id, namespace=True, exclusive_owner=EXCLUSIVE_OWNER, recover=True
+    ) as queue:
+        status = queue.task_status(pending.task_id)
+        assert status is not None and status["state"] == "pending"  # not cancelled by the refused start

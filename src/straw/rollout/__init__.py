@@ -9,8 +9,10 @@ straw's public modules; torch and PIL are imported where used, and Ray only by
 from __future__ import annotations
 
 from .archive import bind_archive_pool
+from .checkpoint import RestorePlan, resolve_checkpoint
 from .codec import SampleCodec, register_type
 from .config import REMOVED_FLAGS, RolloutConfig, add_arguments, from_args, resolve_pool
+from .controller import EXCLUSIVE_OWNER, ControllerClient, QueueController
 from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
 from .hooks import DynamicFilterOutput, Generator, Hooks, load_function
 from .pool import (
@@ -21,7 +23,9 @@ from .pool import (
     rollout_store,
     run_io,
     seal_rollout_store,
+    settled,
 )
+from .reader import QueueDataSource, QueueReader, QueueReaderConfig, SourceRestore
 from .refs import (
     DiskPayloadRef,
     RawRolloutRef,
@@ -35,6 +39,7 @@ from .refs import (
     pack_group,
     pack_payload,
     record_provenance,
+    release_group_staging,
     release_publications,
     unpack_payload,
 )
@@ -52,10 +57,12 @@ from .sample import (
 )
 
 __all__ = [
+    "EXCLUSIVE_OWNER",
     "NO_VERSION_KEY",
     "QUEUE_ATTRIBUTES",
     "REMOVED_FLAGS",
     "REPLAY_FIELDS",
+    "ControllerClient",
     "Dataset",
     "DatasetCursor",
     "DiskPayloadRef",
@@ -64,13 +71,19 @@ __all__ = [
     "Hooks",
     "JsonlDataset",
     "PromptProducer",
+    "QueueController",
+    "QueueDataSource",
+    "QueueReader",
+    "QueueReaderConfig",
     "RawRolloutRef",
+    "RestorePlan",
     "RolloutConfig",
     "RolloutGroupRef",
     "RolloutStore",
     "Sample",
     "SampleCodec",
     "SampleStatus",
+    "SourceRestore",
     "TrainBatchRef",
     "add_arguments",
     "bind_archive_pool",
@@ -91,12 +104,15 @@ __all__ = [
     "probe_roundtrip",
     "record_provenance",
     "register_type",
+    "release_group_staging",
     "release_publications",
+    "resolve_checkpoint",
     "resolve_pool",
     "rollout_store",
     "run_io",
     "scheduling_key",
     "seal_rollout_store",
+    "settled",
     "staleness",
     "unpack_payload",
 ]

@@ -248,9 +248,11 @@ def resolve_checkpoint(config: RolloutConfig) -> tuple[RolloutConfig, RestorePla
     resolved = resolve_pool(config)
     template = config.load_debug_rollout_data
     replay = template is not None and template.endswith(".straw.json")
-    if not config.save or replay:  # rule 1
+    if replay:  # rule 1: a replay's ids come from its archives (the template binds them)
+        return resolved, RestorePlan("new", save=None, queue_id=_new_queue_id(True))
+    if not config.save:  # rule 1
         start = resolved.start_rollout_id if resolved.start_rollout_id is not None else 0
-        plan = RestorePlan("new", save=None, queue_id=_new_queue_id(replay))
+        plan = RestorePlan("new", save=None, queue_id=_new_queue_id(False))
         return dataclasses.replace(resolved, start_rollout_id=start), plan
     save = Path(os.path.abspath(os.path.expanduser(config.save)))
     token = state_token(save)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..coordinator import Coordinator, queue_directory
-from ..errors import CorruptData, StaleAttempt, UnsafeRecovery, invariant
+from ..errors import CorruptData, InvalidReference, StaleAttempt, UnsafeRecovery, invariant
 from ..protocol import (
     AcquireResult,
     CommitReceipt,
@@ -36,17 +36,32 @@ from ..protocol import (
     RecordSetRef,
     TaskSpec,
     as_dict,
-    decode,
     digest,
     encode,
 )
 from ..reporting import FileLock, try_lock
 from . import checkpoint
+from ._arguments import (
+    _category,
+    _count,
+    _failure,
+    _int,
+    _items,
+    _lease,
+    _leases,
+    _manifest,
+    _metadata,
+    _positions,
+    _reason,
+    _text,
+    _update,
+    _update_fields,
+)
 from ._view import TrainingView, check_positions
 from .checkpoint import RestorePlan, resolve_checkpoint, rollout_dir, state_token, write_job
 from .config import RolloutConfig, resolve_pool
 from .dataset import Dataset, DatasetCursor, JsonlDataset, PromptProducer
-from .pool import rollout_store, seal_rollout_store
+from .pool import rollout_store, seal_rollout_store, settled
 from .refs import RELEASE_CHUNK, DiskPayloadRef, release_publications
 from .sample import NO_VERSION_KEY
 
@@ -113,70 +128,6 @@ class ControllerClient(Protocol):
         self, reader_id: str, metadata: Mapping[str, Any] | None = None
     ) -> dict[str, Any]: ...
     def close(self) -> None: ...
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _text(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{what} must be positive, got {value}")
-    return value
-
-
-def _lease(value: object) -> Lease:
-    """A Lease, or the dict of one (samples carry ``_queue_lease`` as a dict)."""
-    if isinstance(value, Lease):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return Lease.from_dict(value)
-        except KeyError as error:
-            raise ValueError(f"a lease dict is missing {error.args[0]!r}") from None
-    raise TypeError(f"expected a Lease, got {type(value).__name__}")
-
-
-def _leases(values: object) -> list[Lease]:
-    if isinstance(values, (str, bytes, Mapping, Lease)) or not isinstance(values, Iterable):
-        raise TypeError(f"expected a sequence of leases, got {type(values).__name__}")
-    return [_lease(value) for value in values]
-
-
-def _manifest(value: object, what: str) -> RecordSetRef:
-    if isinstance(value, DiskPayloadRef):
-        return value.manifest
-    if isinstance(value, RecordSetRef):
-        return value
-    raise TypeError(f"{what} must be a RecordSetRef or a DiskPayloadRef, got {type(value).__name__}")
-
-
-def _reason(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"a reason must be a non-empty string, got {value!r}")
-    return value
-
-
-def _failure(category: str, reason: str) -> str:
-    """Failure texts are canonical JSON of ``{category, reason}`` (ROLLOUT.md section 10.5)."""
-    return encode({"category": category, "reason": reason}).decode()
-
-
-def _positions(values: object, what: str) -> list[int]:
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-        raise TypeError(f"{what} must be a sequence of positions, got {type(values).__name__}")
-    found = list(values)
-    for value in found:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{what} holds non-negative integer positions, got {value!r}")
-    return found
 
 
 def task_id_for(group_index: int, timeline: int) -> str:
@@ -287,6 +238,7 @@ class QueueController:
         self._training_token = ""
         self._recovered = False
         self._rolls_back = False
+        self._planned = False
         try:
             self._start()
         except BaseException:
@@ -322,8 +274,7 @@ class QueueController:
             write_job(config, dataclasses.replace(self.plan, save=config.save))
         self._fault("coordinator")  # 4
         self._open_queue()
-        self._mode_work()  # 5
-        self._scan_tasks()  # 6 (and the indexes a restart needs)
+        self._mode_work()  # 5 and 6
         queue = self._usable()
         self._training_token = queue.open_consumer(TRAINING, exclusive_owner=EXCLUSIVE_OWNER)  # 7
         self._fault("gc")  # 8
@@ -361,41 +312,47 @@ class QueueController:
             raise type(error)(f"{error}; inspect the pool with `straw check {self._root}`") from error
 
     def _mode_work(self) -> None:
+        """Steps 5 and 6: the restore mode's work, then cancelling older collections.
+
+        A resume is refused before it changes anything (beyond the new epoch of opening).
+        """
         queue = self._usable()
-        mode = self.plan.mode
         if self._rolls_back:
             checkpoint.finish_rollback(self, self.plan)
+        self._training = self._load_training(queue)
+        stale = self._scan_tasks(queue)
+        if self.plan.mode == "resume" and (self._planned or self._training.conversion_started):
+            raise RuntimeError(CONVERSION_STARTED)
         if queue.producer_state(PRODUCER) is None:  # a new queue (or one never initialised)
             cursor = self.plan.cursor if self.plan.cursor is not None else DatasetCursor().asdict()
             state = {"version": 1, "timeline": 0, "cursor": DatasetCursor.from_dict(cursor).asdict()}
             queue.submit_tasks("dataset:init", [], producer_id=PRODUCER, producer_state=state)
-        if mode == "resume":
+        if self.plan.mode == "resume":
             reads = list(queue.outstanding_reads())
             for start in range(0, len(reads), RELEASE_CHUNK):
                 queue.release_task_reads(reads[start : start + RELEASE_CHUNK])
-        self._training = self._load_training(queue)
+        for task_id in stale:
+            queue.cancel_task(task_id, request_id=f"abandon:{self.incarnation}:{task_id}")
 
-    def _scan_tasks(self) -> None:
-        """Cancel older incarnations' pending collections; index superseded positions.
+    def _scan_tasks(self, queue: Coordinator) -> list[str]:
+        """Index superseded positions and planned batches; the older collections still pending.
 
         Every task a later call needs to know about is created by this controller, so one
         scan at startup plus incremental updates keep the indexes exact.
         """
-        queue = self._usable()
         mine = f"collection:{self.incarnation}:"
-        planned = False
+        stale = []
         for task_id, status in queue.tasks.items():
             metadata = status["spec"].get("metadata") or {}
             self._superseded.update(int(p) for p in metadata.get("source_positions") or ())
-            planned = planned or task_id.startswith("batch:")
+            self._planned = self._planned or task_id.startswith("batch:")
             if (
                 task_id.startswith("collection:")
                 and not task_id.startswith(mine)
                 and status["state"] in ("pending", "leased")
             ):
-                queue.cancel_task(task_id, request_id=f"abandon:{self.incarnation}:{task_id}")
-        if self.plan.mode == "resume" and (planned or self._training.conversion_started):
-            raise RuntimeError(CONVERSION_STARTED)
+                stale.append(task_id)
+        return stale
 
     def _start_threads(self) -> None:
         targets: list[tuple[str, Callable[[], None]]] = [("keeper", self._keep_manager_leases)]
@@ -533,7 +490,7 @@ class QueueController:
         # pool, or a retry drawing another number of groups, never reuses an id.
         names = [f"input:{self.plan.queue_id}:{count}:{t}" for t in ids]
         with self._bound.lock:
-            refs = self._bound.codec.publish_many(groups, submission_ids=names)
+            refs = settled(lambda: self._bound.codec.publish_many(groups, submission_ids=names))
         tasks = [
             TaskSpec(
                 task_id,
@@ -641,7 +598,8 @@ class QueueController:
         """Yield leased groups with their continuations; turn accepted groups into deliveries.
 
         Both halves are idempotent after a lost reply: the yield by its request id (a digest
-        of the updates), each delivery by its task id (a digest of its fields).
+        of the updates), each delivery by its task id (a digest of its fields). Updates whose
+        lease is no longer current are left out and answered under ``stale``.
         """
         yields = [_update(item) for item in _items(updates, "updates")]
         specs = [self._delivery(item) for item in _items(deliveries, "deliveries")]
@@ -650,18 +608,40 @@ class QueueController:
         queue = self._usable()
         with self._producer_lock:
             outcomes: list[str] = []
-            if yields:
-                request = "return:" + digest([_update_fields(item) for item in yields])
+            stale = self._stale(queue, yields)
+            current = [item for item in yields if item["lease"].task_id not in stale]
+            if current:
+                request = "return:" + digest([_update_fields(item) for item in current])
                 self._fault("return:yield")
-                outcomes = queue.yield_tasks(yields, request_id=request)
-                self._note_superseded(item.get("metadata") for item in yields)
+                outcomes = queue.yield_tasks(current, request_id=request)
+                self._note_superseded(item.get("metadata") for item in current)
             fresh = [spec for spec in specs if queue.task_status(spec.task_id) is None]
             if fresh:
                 self._fault("return:deliver")
                 queue.submit_tasks("deliver:" + digest([spec.task_id for spec in fresh]), fresh)
                 self._note_superseded(spec.metadata for spec in fresh)
             self._fault("return:done")
-        return {"yielded": outcomes, "delivered": [spec.task_id for spec in specs]}
+        return {"yielded": outcomes, "stale": sorted(stale), "delivered": [spec.task_id for spec in specs]}
+
+    def _stale(self, queue: Coordinator, yields: list[dict[str, Any]]) -> set[str]:
+        """Tasks of updates whose lease is no longer current (the task moved on without it).
+
+        A yield is all or nothing; one lease that expired and went to another reader must
+        not keep a whole batch of partials from returning, so those updates are left out
+        (their continuations are simply not adopted). A lease of another queue is an error.
+        """
+        for item in yields:
+            lease = item["lease"]
+            if (lease.run_id, lease.queue_id) != (self.config.run_id, self.plan.queue_id):
+                where = f"run {lease.run_id!r} queue {lease.queue_id!r}"
+                raise InvalidReference(f"lease of task {lease.task_id!r} belongs to {where}")
+        leases = [item["lease"] for item in yields]
+        outcomes = queue.heartbeat(leases) if leases else []
+        return {
+            lease.task_id
+            for lease, outcome in zip(leases, outcomes, strict=True)
+            if outcome == "StaleAttempt"
+        }
 
     def _delivery(self, item: Mapping[str, Any]) -> TaskSpec:
         allowed = {"input_ref", "priority", "scheduling_key", "metadata", "estimated_tokens"}
@@ -984,18 +964,23 @@ class QueueController:
         are its dependencies and stay retained with it; the json.v1 progress record lists the
         processed positions above the cursor for the queue's GC roots (docs/GC.md).
         """
+        self._usable()  # a latched GC error stops saves before anything is written
         body = training.body()
         name = uuid.uuid4().hex
         with self._bound.lock:
-            state_ref = self._bound.codec.publish(body, submission_id=f"training-state:{name}")
+            state_ref = settled(
+                lambda: self._bound.codec.publish(body, submission_id=f"training-state:{name}")
+            )
             progress = {
                 "version": 1,
                 "processed_positions": body["processed_positions"],
                 "finished_batches": [],
             }
             record = Record("training-progress", encode(progress), codec="json.v1")
-            progress_ref = self._bound.store.publish(
-                [record], submission_id=f"training-progress:{name}", dependencies=[state_ref]
+            progress_ref = settled(
+                lambda: self._bound.store.publish(
+                    [record], submission_id=f"training-progress:{name}", dependencies=[state_ref]
+                )
             )
         view = training.view
         request = (
@@ -1004,7 +989,6 @@ class QueueController:
             + ":"
             + digest([as_dict(state_ref), as_dict(progress_ref), view.fetch_cursor, view.processed_cursor])
         )
-        self._usable()  # a latched GC error stops saves too
         queue.save_consumer_state(
             TRAINING,
             token=self._training_token,
@@ -1042,7 +1026,8 @@ class QueueController:
                 return None
             body = {"version": 1, "positions": found, "reason": reason, "detail": detail}
             with self._bound.lock:
-                ref = self._bound.codec.publish(body, submission_id=f"disposition:{uuid.uuid4().hex}")
+                name = f"disposition:{uuid.uuid4().hex}"
+                ref = settled(lambda: self._bound.codec.publish(body, submission_id=name))
             view = self._advanced(queue, found)
             self._save_training(queue, self._changed(view=view, disposition=DiskPayloadRef(ref, self._root)))
             release_publications(self.config, [ref])  # the training state depends on it
@@ -1122,9 +1107,8 @@ class QueueController:
                 "configuration": self.configuration(),
             }
             with self._bound.lock:
-                return self._bound.codec.publish(
-                    body, submission_id=f"snapshot:{self.plan.queue_id}:{step}:{uuid.uuid4().hex}"
-                )
+                name = f"snapshot:{self.plan.queue_id}:{step}:{uuid.uuid4().hex}"
+                return settled(lambda: self._bound.codec.publish(body, submission_id=name))
 
     def _unfinished(self, queue: Coordinator) -> list[dict[str, Any]]:
         """Pending or leased prompt tasks, then accepted unprocessed prompt results, one per group."""
@@ -1185,16 +1169,15 @@ class QueueController:
         if not isinstance(metadata, Mapping):
             raise TypeError(f"reader metadata is a mapping, got {type(metadata).__name__}")
         value = dict(metadata)
+        name = f"reader-metadata:{uuid.uuid4().hex}"
+        with self._bound.lock:
+            ref = settled(lambda: self._bound.codec.publish({"metadata": value}, submission_id=name))
         with self._state_lock:
             token = self._reader_tokens.get(consumer)
         if token is None:
             token = queue.open_consumer(consumer, exclusive_owner=EXCLUSIVE_OWNER)
             with self._state_lock:
                 self._reader_tokens[consumer] = token
-        with self._bound.lock:
-            ref = self._bound.codec.publish(
-                {"metadata": value}, submission_id=f"reader-metadata:{uuid.uuid4().hex}"
-            )
         queue.save_consumer_state(
             consumer,
             token=token,
@@ -1293,73 +1276,3 @@ class QueueController:
         return (
             f"QueueController(queue_id={plan.queue_id!r}, mode={plan.mode!r}, incarnation={self.incarnation})"
         )
-
-
-# --------------------------------------------------------------------------- return helpers
-
-
-def _items(values: object, what: str) -> list[Mapping[str, Any]]:
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-        raise TypeError(f"{what} must be a sequence of dicts, got {type(values).__name__}")
-    found = list(values)
-    for item in found:
-        if not isinstance(item, Mapping):
-            raise TypeError(f"{what} holds dicts, got {type(item).__name__}")
-    return found
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}")
-    return value
-
-
-def _metadata(value: object) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"task metadata is a dict, got {type(value).__name__}")
-    found = dict(value)
-    if "source_positions" in found:
-        found["source_positions"] = _positions(found["source_positions"], "source_positions")
-    try:
-        encode(found)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"task metadata must be JSON-encodable: {error}") from error
-    return found
-
-
-def _update(item: Mapping[str, Any]) -> dict[str, Any]:
-    """A checked yield update: ``{lease, input_ref, priority, scheduling_key, metadata}``."""
-    unknown = set(item) - {"lease", "input_ref", "priority", "scheduling_key", "metadata"}
-    if unknown:
-        raise ValueError(f"an update has unknown fields {sorted(unknown)}")
-    if "lease" not in item or "input_ref" not in item:
-        raise ValueError("an update needs a lease and its continuation's input_ref")
-    update: dict[str, Any] = {
-        "lease": _lease(item["lease"]),
-        "input_ref": _manifest(item["input_ref"], "an update's input_ref"),
-        "metadata": _metadata(item.get("metadata")),
-    }
-    for key in ("priority", "scheduling_key"):
-        if item.get(key) is not None:
-            update[key] = _int(item[key], key)
-    return update
-
-
-def _update_fields(update: Mapping[str, Any]) -> dict[str, Any]:
-    """An update as JSON (the digest of a return request names it)."""
-    return {
-        key: as_dict(value) if isinstance(value, (Lease, RecordSetRef)) else value
-        for key, value in update.items()
-    }
-
-
-def _category(failure: object) -> str | None:
-    if not isinstance(failure, str):
-        return None
-    try:
-        value = decode(failure.encode())
-    except Exception:
-        return None
-    return value.get("category") if isinstance(value, dict) else None

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..backend import FilesystemBackend
+from ..errors import IndeterminateCommit
 from ..protocol import RecordSetRef, encode
 from ..store import ReadSession, SharedFilesystemStore
 from .codec import STORE_CODECS, SampleCodec
@@ -33,6 +34,7 @@ __all__ = [
     "rollout_store",
     "run_io",
     "seal_rollout_store",
+    "settled",
 ]
 
 T = TypeVar("T")
@@ -122,6 +124,21 @@ def rollout_store(config: RolloutConfig) -> RolloutStore:
             found = _writers[key] = (store, threading.RLock())
     store, lock = found
     return RolloutStore(store, SampleCodec(store, config=config), lock)
+
+
+def settled(call: Callable[[], T]) -> T:
+    """Run a publish; when its outcome is uncertain, retry the same submission once.
+
+    A write whose sync or reply failed after its data may have become durable raises
+    ``IndeterminateCommit``, and the writer refuses other submissions until that one is
+    retried (docs/DURABILITY.md I5). The layer's own submission ids are often random, so
+    nobody else could retry them: settling here keeps the writer usable. A second failure
+    is raised to the caller, and nothing names the publication.
+    """
+    try:
+        return call()
+    except IndeterminateCommit:
+        return call()
 
 
 def seal_rollout_store(config: RolloutConfig) -> None:

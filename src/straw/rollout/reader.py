@@ -29,7 +29,7 @@ from ..reporting import write_report
 from .checkpoint import rollout_dir
 from .config import RolloutConfig, resolve_pool
 from .controller import ControllerClient, QueueController
-from .pool import open_reader, rollout_store
+from .pool import open_reader, rollout_store, settled
 from .refs import (
     DiskPayloadRef,
     RolloutGroupRef,
@@ -211,7 +211,8 @@ class QueueReader:
     def _load(self, assignments: Iterable[Assignment]) -> list[Any]:
         items = list(assignments)
         with self._lock:
-            for item in items:
+            for item in items:  # re-inserted, so the local order is the order of taking
+                self._leases.pop(item.lease.task_id, None)
                 self._leases[item.lease.task_id] = item.lease
         try:
             incarnation = self._incarnation_id()
@@ -330,9 +331,8 @@ class QueueReader:
             receipts.append(receipt)
         bound = rollout_store(self.config)
         with bound.lock:
-            refs = bound.codec.publish_many(
-                groups, submission_ids=[f"continuation:{uuid.uuid4().hex}" for _ in groups]
-            )
+            names = [f"continuation:{uuid.uuid4().hex}" for _ in groups]
+            refs = settled(lambda: bound.codec.publish_many(groups, submission_ids=names))
         updates, deliveries = [], []
         for group, lease, receipt, ref in zip(groups, leases, receipts, refs, strict=True):
             fields = _return_fields(group, ref)
@@ -340,8 +340,12 @@ class QueueReader:
                 updates.append({"lease": lease, **fields})
             else:
                 deliveries.append({**fields, "estimated_tokens": ref.tokens})
-        self.controller.return_groups(updates, deliveries)
-        release_publications(self.config, refs)  # the queue's tasks hold the continuations now
+        try:
+            self.controller.return_groups(updates, deliveries)
+        finally:
+            # Either the queue's tasks hold the continuations now, or nothing ever will (their
+            # ids are random, nobody retries them): in both cases their staging is over.
+            release_publications(self.config, refs)
         self._drop(leases)
 
     # ------------------------------------------------------------------ the rest

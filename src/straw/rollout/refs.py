@@ -22,7 +22,7 @@ from ..store import ReadSession, SharedFilesystemStore
 from ..tensor import TensorRef, release_tensor_publications
 from .codec import decode_value, register_type
 from .config import RolloutConfig
-from .pool import open_reader, rollout_store
+from .pool import open_reader, rollout_store, settled
 from .sample import QUEUE_ATTRIBUTES, Sample, iter_samples
 
 __all__ = [
@@ -239,7 +239,7 @@ def pack_payload(
         return value
     name = submission_id if submission_id is not None else f"payload:{rollout_id}:{uuid.uuid4().hex}"
     with bound.lock:
-        manifest = bound.codec.publish(value, submission_id=name, metadata=metadata)
+        manifest = settled(lambda: bound.codec.publish(value, submission_id=name, metadata=metadata))
     return DiskPayloadRef(manifest, str(bound.store.backend.root))
 
 
@@ -375,8 +375,9 @@ def pack_group(
     record_provenance(group)
     bound = rollout_store(config)
     metadata = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
+    name = f"group:{lease.attempt_id}"
     with bound.lock:
-        manifest = bound.codec.publish(group, submission_id=f"group:{lease.attempt_id}", metadata=metadata)
+        manifest = settled(lambda: bound.codec.publish(group, submission_id=name, metadata=metadata))
     receipt = controller.complete(lease, manifest)
     release_publications(config, [manifest])  # the queue's accepted log holds it now
     return RolloutGroupRef(
