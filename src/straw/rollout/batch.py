@@ -685,6 +685,8 @@ class BatchBuilder:
         if batch is None:
             raise RuntimeError(f"Retained conversion has no queue plan: {self.batch_id}")
         rows = _row_count(data)
+        if not isinstance(data.get("rollout_ids"), (list, tuple)) or len(data["rollout_ids"]) != rows:
+            raise ValueError("A converted training batch needs 'rollout_ids' with one entry per row")
         stored = tensorize(data)
         stored["total_lengths"] = [_length(t) for t in stored["tokens"]]
         stored[FIELDS_KEY] = {

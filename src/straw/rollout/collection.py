@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from ..protocol import CommitReceipt, Lease, RecordSetRef
 from .config import RolloutConfig
 from .hooks import Hooks
-from .pool import rollout_store
+from .pool import rollout_store, settled
 from .refs import (
     DiskPayloadRef,
     RawRolloutRef,
@@ -204,10 +204,9 @@ def accept_raw_rollout(
     lease = controller.begin_collection(str(rollout_id))
     bound = rollout_store(config)
     metadata = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
+    name = f"collection:{lease.attempt_id}"
     with bound.lock:
-        manifest = bound.codec.publish(
-            value, submission_id=f"collection:{lease.attempt_id}", metadata=metadata
-        )
+        manifest = settled(lambda: bound.codec.publish(value, submission_id=name, metadata=metadata))
     receipt = controller.complete(lease, manifest)
     release_publications(config, [manifest])  # the accepted log holds it now
     raw = RawRolloutRef(
