@@ -151,6 +151,16 @@ class ReadSession:
         self._closed = True
         self._reader.close()
 
+    @property
+    def root(self) -> str:
+        """The mount path of the pool this session reads."""
+        return str(self._reader.backend.root)
+
+    @property
+    def run_id(self) -> str:
+        """The run whose packs this session reads."""
+        return self._reader.run_id
+
     def __enter__(self) -> ReadSession:
         return self
 
@@ -531,6 +541,9 @@ class SharedFilesystemStore:
             raise ValueError(f"segment_target_bytes must be >= 0, got {segment_target_bytes!r}")
         self.max_record_bytes = max_record_bytes
         self.max_buffer_bytes = max_buffer_bytes
+        #: Records (manifests included) one write may hold; callers that split large batches
+        #: read it here, and tests may lower it on an instance.
+        self.max_records_per_write = RECORDS_PER_WRITE_MAX
         self.segment_target_bytes = segment_target_bytes
         # Recorded for the ownership catalog (docs/DURABILITY.md, "Lifetime").
         self.online_gc = bool(online_gc)
@@ -683,8 +696,8 @@ class SharedFilesystemStore:
     # -- writing: machinery -------------------------------------------------------------
 
     def _check_count(self, count: int) -> None:
-        if count > RECORDS_PER_WRITE_MAX:
-            raise ResourceLimitExceeded(f"{count} records in one write exceeds {RECORDS_PER_WRITE_MAX}")
+        if count > self.max_records_per_write:
+            raise ResourceLimitExceeded(f"{count} records in one write exceeds {self.max_records_per_write}")
 
     def _entry(self, record: Record) -> Entry:
         """Check one record against every limit and hash it; nothing is written yet."""
@@ -1170,6 +1183,16 @@ class SharedFilesystemStore:
             for held in catalog.state.owners.values():
                 wanted -= held
         return wanted
+    def owners(self, prefix: str = "") -> list[str]:
+        """Names of the owners the pool's catalog records now whose name starts with ``prefix``.
+
+        Sorted; straw's own owners (``staging:``, ``queue:``, ``pin:``) are listed too, so a
+        prefix naming an application's owners (``checkpoint:<dir>/``) is the usual call.
+        """
+        if not isinstance(prefix, str):
+            raise TypeError(f"owners() takes a text prefix, got {type(prefix).__name__}")
+        with self._catalog.locked() as catalog:
+            return sorted(name for name in catalog.state.owners if name.startswith(prefix))
 
     def _owned(self, owner: str) -> set[str]:
         with self._catalog.locked() as catalog:
