@@ -1183,6 +1183,7 @@ class SharedFilesystemStore:
             for held in catalog.state.owners.values():
                 wanted -= held
         return wanted
+
     def owners(self, prefix: str = "") -> list[str]:
         """Names of the owners the pool's catalog records now whose name starts with ``prefix``.
 
