@@ -24,6 +24,7 @@ from typing import Any
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
 from ._journal.log import Journal
+from ._queue import validate
 from ._queue.machine import (
     COMPLETED,
     LEASED,
@@ -36,8 +37,15 @@ from ._queue.machine import (
     state_from_dict,
     state_to_dict,
 )
-from .errors import CorruptData, IndeterminateCommit, InvalidReference, UnsafeRecovery, UnsupportedSchema
-from .limits import JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
+from ._queue.progress import parse_progress
+from .errors import (
+    CorruptData,
+    IndeterminateCommit,
+    InvalidReference,
+    UnsafeRecovery,
+    UnsupportedSchema,
+)
+from .limits import JOURNAL_SNAPSHOT_BYTES_MIN
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -73,11 +81,13 @@ def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
 
 
 def _text(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if len(value.encode("utf-8")) > QUEUE_ID_BYTES_MAX:
-        raise ValueError(f"{what} is longer than {QUEUE_ID_BYTES_MAX} bytes")
-    return value
+    """An id argument: a non-empty string UTF-8 can encode, at most QUEUE_ID_BYTES_MAX bytes."""
+    return validate.text(value, what)
+
+
+def _required_ref(ref: object, what: str) -> None:
+    if not isinstance(ref, RecordSetRef):
+        raise TypeError(f"{what} must be a RecordSetRef, got {type(ref).__name__}")
 
 
 def queue_owner(run_id: str, relative_directory: str) -> str:
@@ -114,6 +124,8 @@ class Coordinator:
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError(f"limits must be a straw Limits, got {type(self.limits).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self.clock = clock
         self.namespace = bool(namespace)
         self.backend = store.backend
@@ -138,6 +150,11 @@ class Coordinator:
                 self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
             )
             self._state = self._open(recover)
+        except OSError as error:
+            lock.unlock(self._lock_fd)
+            raise posix.storage_error(
+                error, f"opening queue {self.queue_id!r} in {self.directory}"
+            ) from error
         except BaseException:
             lock.unlock(self._lock_fd)
             raise
@@ -282,6 +299,11 @@ class Coordinator:
                 except BaseException as error:
                     self._broken = error
                     raise
+        self._wait_durable(seq)
+        return reply
+
+    def _wait_durable(self, seq: int) -> None:
+        """Wait until frame ``seq`` is durable; a journal failure stops the coordinator (J3)."""
         try:
             self._journal.wait(seq)
         except OSError as error:
@@ -294,7 +316,6 @@ class Coordinator:
         except BaseException as error:
             self._broken = error
             raise
-        return reply
 
     def _query(self, read: Callable[[], Any]) -> Any:
         """Answer from the state, once everything it may reflect is durable."""
@@ -302,14 +323,23 @@ class Coordinator:
             self._usable()
             value = read()
             seq = self._journal.last_seq
-        self._journal.wait(seq)
+        self._wait_durable(seq)
         return value
 
     def _maybe_snapshot(self) -> None:
         journal = self._journal
         if journal.bytes_since_snapshot < max(JOURNAL_SNAPSHOT_BYTES_MIN, journal.snapshot_bytes):
             return
-        self._snapshot_locked()
+        try:
+            self._snapshot_locked()
+        except OSError as error:
+            # Before the snapshot is durable nothing changed: the call is refused and the next
+            # one tries again. A failure after it (starting the next segment) stops the
+            # coordinator like a failed journal write (J3); recovery continues from the files.
+            self._counters["snapshots_failed"] += 1
+            if self._journal.failed is not None:
+                self._broken = error
+            raise posix.storage_error(error, f"writing a snapshot of queue {self.queue_id!r}") from error
 
     def _snapshot_locked(self) -> None:
         """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
@@ -333,13 +363,29 @@ class Coordinator:
         producer_state: Any = None,
     ) -> list[str]:
         """Add tasks atomically (with the producer's new state); a repeated request returns the same ids."""
-        specs = list(tasks)
-        packs = self._verify_inputs(spec.input_ref for spec in specs if isinstance(spec, TaskSpec))
+        _text(request_id, "request_id")
+        specs = self._check_specs(tasks)
+        validate.producer(producer_id, producer_state)
+        packs = self._verify_inputs(spec.input_ref for spec in specs)
         return list(
             self._commit(
                 lambda: self._state.check_submit(request_id, specs, producer_id, producer_state), packs
             )
         )
+
+    def _check_specs(self, tasks: Iterable[TaskSpec]) -> list[TaskSpec]:
+        """Task specs whose ids and metadata survive the journal (docs/QUEUE.md "Arguments")."""
+        if isinstance(tasks, (str, bytes, TaskSpec)) or not isinstance(tasks, Iterable):
+            raise TypeError(f"submit_tasks takes a list of TaskSpec objects, got {type(tasks).__name__}")
+        specs = list(tasks)
+        for spec in specs:
+            if not isinstance(spec, TaskSpec):
+                raise TypeError(f"submit_tasks takes TaskSpec objects, got {type(spec).__name__}")
+            _text(spec.task_id, "task_id")
+            if not isinstance(spec.metadata, dict):
+                raise TypeError(f"task {spec.task_id!r}: metadata must be a dict")
+            validate.json_value(spec.metadata, f"task {spec.task_id!r} metadata", self.limits.metadata_bytes)
+        return specs
 
     def producer_state(self, producer_id: str) -> Any:
         return self._query(lambda: self._state.producers.get(producer_id))
@@ -354,6 +400,9 @@ class Coordinator:
         control: bool = False,
     ) -> AcquireResult:
         """Lease up to ``max_tasks`` tasks in priority / scheduling-key / FIFO order (one transaction)."""
+        _text(worker_id, "worker_id")
+        if task_prefix is not None:
+            _text(task_prefix, "task_prefix")
         ids = list(task_ids) if task_ids is not None and not isinstance(task_ids, str) else task_ids
         now = self.clock()
         reply = self._commit(
@@ -374,7 +423,7 @@ class Coordinator:
         Heartbeats are not journaled: recovery revokes every lease, so deadlines
         never need to survive a crash (docs/DURABILITY.md J6).
         """
-        items = list(leases)
+        items = validate.leases(leases, "heartbeat")
         with self._lock:
             self._usable()
             return self._state.heartbeat(items, self.clock(), self.lease_seconds)
@@ -384,6 +433,10 @@ class Coordinator:
     ) -> CommitReceipt:
         """Accept a result for a leased attempt at the next position; retries return the original receipt."""
         _text(submission_id, "submission_id")
+        if not isinstance(lease, Lease):
+            raise TypeError(f"complete_task takes a Lease, got {type(lease).__name__}")
+        if not isinstance(result_digest, str):
+            raise TypeError(f"result_digest must be a string, got {type(result_digest).__name__}")
         with self._lock:
             self._usable()
             if not isinstance(result_ref, RecordSetRef):
@@ -419,12 +472,17 @@ class Coordinator:
 
     def fail_task(self, lease: Lease, *, request_id: str, failure: str, retryable: bool = True) -> str:
         """Spend an attempt; the task is pending again, or ``failed`` when attempts run out."""
+        _text(request_id, "request_id")
+        validate.failure(failure, retryable)
+        if not isinstance(lease, Lease):
+            raise TypeError(f"fail_task takes a Lease, got {type(lease).__name__}")
         now = self.clock()
         return str(self._commit(lambda: self._state.check_fail(lease, request_id, failure, retryable, now)))
 
     def release_tasks(self, leases: Iterable[Lease], *, request_id: str) -> list[str]:
         """Give leased tasks back without spending an attempt (stale leases are reported, not fatal)."""
-        items = list(leases)
+        _text(request_id, "request_id")
+        items = validate.leases(leases, "release_tasks")
         now = self.clock()
         return list(self._commit(lambda: self._state.check_release(items, request_id, now)))
 
@@ -434,7 +492,11 @@ class Coordinator:
 
     def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
         """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata."""
-        items = [dict(u) for u in updates]
+        _text(request_id, "request_id")
+        items = validate.updates(updates, "yield_tasks", validate.YIELD_KEYS, ("lease",))
+        for item in items:
+            if item.get("metadata") is not None:
+                validate.json_value(item["metadata"], "yield metadata", self.limits.metadata_bytes)
         packs = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
         return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs))
@@ -446,7 +508,10 @@ class Coordinator:
         )[0]
 
     def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
-        items = [dict(u) for u in updates]
+        _text(request_id, "request_id")
+        items = validate.updates(
+            updates, "save_task_progress_many", validate.PROGRESS_KEYS, ("lease", "input_ref")
+        )
         packs = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
         return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs))
@@ -463,10 +528,13 @@ class Coordinator:
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
+        _text(request_id, "request_id")
+        _text(task_id, "task_id")
         return str(self._commit(lambda: self._state.check_cancel(task_id, request_id)))
 
     def seal_input(self, request_id: str) -> bool:
         """No more tasks will be submitted; ``acquire`` answers ``end_of_input`` once all are done."""
+        _text(request_id, "request_id")
         return bool(self._commit(lambda: self._state.check_seal(request_id)))
 
     def task_status(self, task_id: str) -> dict[str, Any] | None:
@@ -511,7 +579,7 @@ class Coordinator:
         return tuple(self._query(lambda: list(self._state.reads.values())))
 
     def release_task_reads(self, leases: Iterable[Lease]) -> int:
-        items = list(leases)
+        items = validate.leases(leases, "release_task_reads")
         return int(self._commit(lambda: self._state.check_release_reads(items)))
 
     def retire_worker(self, worker_id: str) -> list[dict[str, Any]]:
@@ -522,6 +590,8 @@ class Coordinator:
     # ------------------------------------------------------------------ consumers and batches
 
     def open_consumer(self, consumer_id: str, *, exclusive_owner: str) -> str:
+        _text(consumer_id, "consumer_id")
+        _text(exclusive_owner, "exclusive_owner")
         token = self._new_id()
         return str(self._commit(lambda: self._state.check_open_consumer(consumer_id, exclusive_owner, token)))
 
@@ -556,13 +626,26 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
+        _text(consumer_id, "consumer_id")
+        _text(request_id, "request_id")
+        _required_ref(state_ref, "state_ref")
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         packs = self._verify_inputs([state_ref, progress_ref])
+        self._check_progress(consumer_id, progress_ref)
         return dict(
             self._commit(
                 lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs
             )
         )
+
+    def _check_progress(self, consumer_id: str, progress_ref: RecordSetRef | None) -> None:
+        """The training consumer's progress record must parse (GC reads it on every collection)."""
+        if consumer_id != TRAINING or progress_ref is None:
+            return
+        try:
+            parse_progress(list(self.store.read(progress_ref)))
+        except UnsupportedSchema as error:
+            raise UnsupportedSchema(f"progress_ref of consumer {TRAINING!r}: {error}") from None
 
     def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
@@ -580,7 +663,13 @@ class Coordinator:
         input_positions: Sequence[int],
         plan_ref: RecordSetRef,
     ) -> dict[str, Any]:
+        _text(consumer_id, "consumer_id")
         _text(batch_id, "batch_id")
+        _required_ref(plan_ref, "plan_ref")
+        if isinstance(input_positions, (str, bytes)) or not isinstance(input_positions, Iterable):
+            raise TypeError(
+                f"input_positions must be a list of positions, got {type(input_positions).__name__}"
+            )
         packs = self._verify_inputs([plan_ref])
         batch = {
             "batch_id": batch_id,
@@ -602,7 +691,12 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
+        _text(consumer_id, "consumer_id")
+        _text(batch_id, "batch_id")
+        _required_ref(ready_ref, "ready_ref")
+        _required_ref(state_ref, "state_ref")
         packs = self._verify_inputs([ready_ref, state_ref, progress_ref])
+        self._check_progress(consumer_id, progress_ref)
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
         return dict(
@@ -621,6 +715,7 @@ class Coordinator:
     def register_checkpoint(self, checkpoint_id: str, checkpoint_ref: RecordSetRef) -> dict[str, Any]:
         """Record a training checkpoint's reference; it is a GC root until released."""
         _text(checkpoint_id, "checkpoint_id")
+        _required_ref(checkpoint_ref, "checkpoint_ref")
         packs = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
 
@@ -637,6 +732,8 @@ class Coordinator:
         return dict(self._commit(check, packs))
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
+        _text(checkpoint_id, "checkpoint_id")
+
         def check() -> Event | Answer:
             if checkpoint_id not in self._state.checkpoints:
                 return Answer(False)
@@ -656,15 +753,7 @@ class Coordinator:
         finished: set[str] = set()
         progress = consumer.state.get("progress_ref")
         if progress is not None:
-            records = list(self.store.read(RecordSetRef.from_dict(progress)))
-            body = decode(records[0].payload) if len(records) == 1 else None
-            if not isinstance(body, dict) or body.get("version") != 1:
-                raise UnsupportedSchema(
-                    "progress_ref must be one json.v1 record {version: 1, processed_positions, "
-                    "finished_batches}"
-                )
-            positions = {int(p) for p in body.get("processed_positions", [])}
-            finished = {str(b) for b in body.get("finished_batches", [])}
+            positions, finished = parse_progress(list(self.store.read(RecordSetRef.from_dict(progress))))
         return (lambda position: position < cursor or position in positions), finished
 
     def collect_garbage(self) -> dict[str, Any]:
@@ -765,6 +854,11 @@ class Coordinator:
                     and self._journal.bytes_since_snapshot
                 ):
                     self._snapshot_locked()
+            except OSError as error:
+                # The journal holds every acknowledged call whatever the snapshot's fate (J5):
+                # reopening with recover=True replays it. The caller still learns why.
+                self._counters["snapshots_failed"] += 1
+                raise posix.storage_error(error, f"closing queue {self.queue_id!r}") from error
             finally:
                 self._journal.close()
                 lock.unlock(self._lock_fd)

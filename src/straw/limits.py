@@ -106,8 +106,9 @@ KIND_BYTES_MAX = 256
 #: forgetting costs one stat per attached pool on the next read of that writer's packs).
 WRITERS_CACHED_MAX = 65536
 
-#: Deepest nesting of containers the codec stores or reads. Samples nest a few levels;
-#: the bound keeps encoding and decoding far from Python's recursion limit.
+#: Deepest nesting of containers the codec stores or reads, and of JSON values the queue
+#: journals (metadata, producer states). Samples nest a few levels; the bound keeps encoding
+#: and decoding far from Python's recursion limit.
 NESTING_DEPTH_MAX = 100
 
 #: Largest byte string kept inside the codec's JSON document (base64); longer ones become records.
@@ -149,7 +150,15 @@ JOURNAL_PREALLOC_BYTES = 4 * MiB
 #: kernel, so a caller waits about one sync instead of one and a half.
 JOURNAL_SYNCS_IN_FLIGHT = 2
 
-#: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
+#: Longest queue, task, worker, producer, consumer, batch, checkpoint, request or submission
+#: id in UTF-8 bytes. Ids are names: each is journaled and repeated in snapshots.
 QUEUE_ID_BYTES_MAX = 1 * KiB
+
+#: Largest canonical-JSON producer state (``submit_tasks(producer_state=...)``): a dataset
+#: cursor, not a dataset. Journaled with its submit and copied into every snapshot.
+PRODUCER_STATE_BYTES_MAX = 1 * MiB
+
+#: Longest ``fail_task`` failure text in UTF-8 bytes: a reason, kept with the task for good.
+FAILURE_BYTES_MAX = 64 * KiB
 
 invariant(1 * MiB <= JOURNAL_SNAPSHOT_BYTES_MIN, "snapshots are not taken after every few calls")

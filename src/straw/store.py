@@ -333,10 +333,25 @@ def _flat_view(payload: object, record_id: str) -> memoryview:
     return view.cast("B")
 
 
+def _check_root(root: object) -> None:
+    """A pool root is a non-empty path: ``""`` would make a pool in the current directory."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path, got {type(root).__name__}")
+    text = os.fspath(root)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"root must name the pool's directory, got {text!r}")
+
+
 def _check_text(value: object, what: str, limit: int) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if len(value.encode("utf-8")) > limit:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}"[:300])
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} is not valid Unicode text (a lone surrogate at character {error.start})"
+        ) from None
+    if size > limit:
         raise ResourceLimitExceeded(f"{what} is longer than {limit} bytes")
     return value
 
@@ -360,6 +375,7 @@ class SharedFilesystemStore:
         online_gc: bool = False,
     ) -> None:
         self.run_id = _check_text(run_id, "run_id", RUN_ID_BYTES_MAX)
+        _check_root(root)
         if backend is None:
             backend = FilesystemBackend(root)
         elif os.path.abspath(os.fspath(root)) != str(backend.root):
@@ -371,8 +387,14 @@ class SharedFilesystemStore:
         for name, value in (("max_record_bytes", max_record_bytes), ("max_buffer_bytes", max_buffer_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(segment_target_bytes, int) or segment_target_bytes < 0:
-            raise ValueError(f"segment_target_bytes must be >= 0, got {segment_target_bytes!r}")
+        if (
+            not isinstance(segment_target_bytes, int)
+            or isinstance(segment_target_bytes, bool)
+            or segment_target_bytes < 0
+        ):
+            raise ValueError(
+                f"segment_target_bytes must be a non-negative integer, got {segment_target_bytes!r}"
+            )
         self.max_record_bytes = max_record_bytes
         self.max_buffer_bytes = max_buffer_bytes
         self.segment_target_bytes = segment_target_bytes
@@ -906,9 +928,12 @@ class SharedFilesystemStore:
 
     def explain(self, pack: str) -> dict[str, Any]:
         """Why a pack (``raw/<writer>/<segment>.pack``) is kept: its owners, seal and staging."""
+        if not isinstance(pack, str):
+            raise TypeError(f"explain takes a pool-relative pack path, got {type(pack).__name__}")
+        path = self.backend.resolve(pack)  # refuses empty, absolute and escaping paths first
         with self._catalog.locked() as catalog:
             answer = catalog.state.why(pack)
-        answer["exists"] = posix.exists(self.backend.resolve(pack))
+        answer["exists"] = posix.exists(path)
         return answer
 
     def _owned(self, owner: str) -> set[str]:

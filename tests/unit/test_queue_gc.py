@@ -338,22 +338,36 @@ def test_results_are_kept_until_the_training_consumer_acknowledges_them(pool: Po
     assert pool.alive(*results, state1, progress1, state2, eval_state) == [False] * 5 + [True, True]
 
 
-def test_a_malformed_progress_record_fails_collection_and_deletes_nothing(pool: Pool) -> None:
+def test_a_malformed_progress_record_is_refused_and_deletes_nothing(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11: a progress record GC cannot parse is refused when saved (nothing journaled).
+    One already in a journal (written by an older straw, simulated by skipping the check)
+    makes collection fail closed: nothing is deleted."""
     _three_results(pool)
     stray = pool.put("stray")
     token = pool.queue.open_consumer("training", exclusive_owner="trainer")
     progress = pool.put_json("bad-progress", {"version": 2, "processed_positions": [0]})
-    pool.queue.save_consumer_state(
-        "training",
-        token=token,
-        request_id="s1",
-        state_ref=pool.put("state"),
-        fetch_cursor=3,
-        processed_cursor=0,
-        progress_ref=progress,
-    )
+    state = pool.put("state")
+
+    def save() -> object:
+        return pool.queue.save_consumer_state(
+            "training",
+            token=token,
+            request_id="s1",
+            state_ref=state,
+            fetch_cursor=3,
+            processed_cursor=0,
+            progress_ref=progress,
+        )
+
+    with pytest.raises(UnsupportedSchema, match=r"progress_ref of consumer 'training'.*version: 1"):
+        save()
+    assert pool.queue.load_consumer_state("training") is None
+    monkeypatch.setattr(Coordinator, "_check_progress", lambda *args: None)
+    save()
     before = pool.files()
-    with pytest.raises(UnsupportedSchema, match=r"progress_ref must be one json\.v1 record"):
+    with pytest.raises(UnsupportedSchema, match=r"a progress record is \{version: 1"):
         pool.queue.collect_garbage()
     assert pool.files() == before
     assert pool.alive(stray) == [True]

@@ -11,9 +11,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._queue.progress import parse_progress
 from ..backend import FilesystemBackend
 from ..errors import QueueError
-from ..protocol import RecordRef, RecordSetRef, decode
+from ..protocol import RecordRef, RecordSetRef
 from ..store import ReadSession
 from .catalog_view import CatalogView, read_catalog
 from .layout import Layout, list_pool, open_pool, writer_alive
@@ -143,17 +144,19 @@ def _walk(session: ReadSession, top: RecordSetRef, names: list[str], out: RootSe
 
 
 def _acknowledgements(session: ReadSession, view: QueueView, out: RootSet) -> tuple[set[int], set[str]]:
-    """Positions and batches the training consumer's progress record acknowledges."""
+    """Positions and batches the training consumer's progress record acknowledges.
+
+    Read with the coordinator's own parser (``parse_progress``): a record it would refuse is
+    a finding here, never a crash, and acknowledges nothing (every result stays a root).
+    """
     ref = progress_ref(view)
     if ref is None:
         return set(), set()
+    path = ""
     try:
-        records = list(session.read(RecordSetRef.from_dict(ref)))
-        body = decode(records[0].payload) if len(records) == 1 else None
+        top = RecordSetRef.from_dict(ref)
+        path = top.manifest.segment.path
+        return parse_progress(list(session.read(top)))
     except (QueueError, OSError, KeyError, TypeError, ValueError) as error:
-        out.unreadable.append((str(ref.get("manifest", {}).get("segment", {}).get("path", "")), str(error)))
+        out.unreadable.append((path, f"the training consumer's progress record cannot be used: {error}"))
         return set(), set()
-    if not isinstance(body, dict):
-        return set(), set()
-    positions = {int(p) for p in body.get("processed_positions", [])}
-    return positions, {str(b) for b in body.get("finished_batches", [])}

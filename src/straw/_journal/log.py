@@ -411,7 +411,13 @@ class Journal:
             path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
         )
         self.backend.fault("after_snapshot_write")
-        self.start_segment()
+        try:
+            self.start_segment()
+        except BaseException as error:
+            # The snapshot is durable but the next segment may be half made: stop (J3), so
+            # nothing is appended to a segment a recovery would not continue from.
+            self._failed = error
+            raise
         # The snapshot and the new segment are durable; older files are no longer needed (J5.4).
         for old_seq, old in _listing(self.snap, ".snap"):
             if old_seq < seq:
