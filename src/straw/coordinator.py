@@ -136,6 +136,7 @@ class Coordinator:
         self._broken: BaseException | None = None
         self._closed = False
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
+        store._ensure_catalog()  # I17: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
             self._lock_fd = self._take_lock()

@@ -34,7 +34,9 @@ from .errors import (
     IdempotencyConflict,
     IndeterminateCommit,
     InvalidReference,
+    QueueError,
     ResourceLimitExceeded,
+    UnsafeRecovery,
     UnsupportedSchema,
     WriterBusy,
     invariant,
@@ -404,6 +406,9 @@ class SharedFilesystemStore:
         self._open_pool()
         self._writer = PackWriter(backend, self.run_id, self.writer_id, segment_target_bytes)
         self._catalog = Catalog(backend)
+        self._catalog_ready = False
+        with contextlib.suppress(QueueError):
+            self._ensure_catalog()  # early, where it can; a failure here is met again at the first write
         if self.online_gc:
             # docs/GC.md: with online GC the writer records every sealed pack and its extents,
             # so released data becomes collectable while the writer still lives.
@@ -684,6 +689,7 @@ class SharedFilesystemStore:
             pending = self._pending
             if pending is not None:
                 return cast(R, self._resolve_pending(pending, submission_id, remembered))
+            self._ensure_catalog()
             try:
                 segment = self._writer.write(entries, submission_id, manifests)
             except CommitUncertain as uncertain:
@@ -766,6 +772,22 @@ class SharedFilesystemStore:
                 self._catalog.close()
 
     # -- lifetime (API.md sections 5 and 8; docs/GC.md) ----------------------------------------
+
+    def _ensure_catalog(self) -> None:
+        """I17: the pool's catalog exists before this store creates anything under ``raw/``
+        (and a coordinator before its queue directory), so a pool that holds writers or
+        queues but no catalog has lost it, and every catalog call then fails closed."""
+        if self._catalog_ready:
+            return
+        if not posix.exists(self._catalog.path):
+            try:
+                with self._catalog.locked():
+                    pass  # creates the log in a pool that never had one
+            except UnsafeRecovery:
+                # The pool lost its catalog: nothing here may recreate it (that would drop every
+                # owner). Writing new packs stays possible; every catalog call fails closed.
+                return
+        self._catalog_ready = True
 
     def _record_seal(self, relative: str, extents: dict[int, list[int]]) -> None:
         with self._catalog.locked() as catalog:

@@ -21,6 +21,7 @@ from .._pack import frame as pack_frame
 from ..backend import FilesystemBackend
 from ..coordinator import LOCK_FILE
 from ..errors import QueueError
+from ..limits import LOG_CLOSE_ZEROS
 from .catalog_view import CatalogView, _load, catalog_lock
 from .gather import Pool, RootSet, gather
 from .journal_scan import Tail, scan_journal
@@ -92,7 +93,7 @@ def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str |
     pool = gather(root, fix_catalog=fix)
     findings: list[Finding] = []
     repaired: list[Finding] = []
-    catalog_repair = "cut the log at the torn frame under catalog/LOCK (what the next lock holder does, G2)"
+    catalog_repair = "zero the torn frame under catalog/LOCK (what the next lock holder does, G2)"
     for problem in pool.catalog.problems:
         finding = _finding(problem, catalog_repair if problem[1] == REPAIRABLE else None)
         findings.append(finding)
@@ -245,19 +246,21 @@ def _queue_findings(
                     tail.path,
                     f"{tail.path}: {tail.reason} at offset {tail.offset} (a final frame whose write never "
                     "completed, so never acknowledged)",
-                    "truncate the segment there, as recovery does (J4.3); "
+                    "zero the segment from there, as recovery does (J4.3); "
                     "skipped while a coordinator holds the queue",
                 )
             )
         else:
             out.append(Finding("journal.live_tail", INFO, tail.path, f"{tail.path} is being written"))
-    elif tail is not None and tail.kind == "zeros":
+    elif tail is not None and tail.kind == "zeros" and tail.after > LOG_CLOSE_ZEROS:
+        # A closed segment keeps LOG_CLOSE_ZEROS zeros after its frames (J7): only more is news.
         out.append(
             Finding(
                 "journal.zero_tail",
                 INFO,
                 tail.path,
-                f"{tail.path} ends with zero-filled space after its last frame (J1.1; recovery cuts it)",
+                f"{tail.path} ends with {tail.after} bytes of zero-filled space after its last frame "
+                "(J1.1: a live coordinator's, or a crashed one's)",
             )
         )
     roots = pool.roots.get(view.directory)
@@ -397,7 +400,7 @@ def _cut_journal(root: str, view: QueueView) -> bool:
         tail = scan_journal(root, view.directory, tag).tail
         if tail is None or tail.kind != "torn":
             return False
-        durable.cut_tail(os.path.join(root, tail.path), tail.offset, posix.sync_file)
+        durable.zero_tail(os.path.join(root, tail.path), tail.offset, posix.sync_file)
         return True
     finally:
         lock.unlock(fd)
