@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ._catalog.state import queue_owner
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
 from ._journal.log import Journal
@@ -90,11 +91,6 @@ def _required_ref(ref: object, what: str) -> None:
         raise TypeError(f"{what} must be a RecordSetRef, got {type(ref).__name__}")
 
 
-def queue_owner(run_id: str, relative_directory: str) -> str:
-    """The catalog owner holding a queue's roots (docs/GC.md "Queue roots"); ``straw check`` uses it too."""
-    return "queue:" + digest([run_id, relative_directory])[:32]
-
-
 class Coordinator:
     """The single live owner of one durable queue in a pool."""
 
@@ -109,7 +105,10 @@ class Coordinator:
         limits: Limits | None = None,
         lease_seconds: float = 300,
         clock: Callable[[], float] = time.monotonic,
+        abandon_lost_queue: bool = False,
     ) -> None:
+        """``abandon_lost_queue=True`` (ours, docs/QUEUE.md "Lost queues") lets a new queue start
+        where an earlier one lost its journal: its roots are released, never recovered."""
         started = time.perf_counter()
         if not isinstance(store, SharedFilesystemStore):
             raise TypeError(f"store must be a SharedFilesystemStore, got {type(store).__name__}")
@@ -126,6 +125,7 @@ class Coordinator:
             raise TypeError(f"limits must be a straw Limits, got {type(self.limits).__name__}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self._abandon = validate.flag(abandon_lost_queue, "abandon_lost_queue")
         self.clock = clock
         self.namespace = bool(namespace)
         self.backend = store.backend
@@ -146,7 +146,9 @@ class Coordinator:
         # is known to own (a reference into an owned pack needs no catalog write).
         self._gc_owner = queue_owner(store.run_id, os.path.relpath(self.directory, root))
         try:
-            self._owned = store._owned(self._gc_owner)
+            owned = store._owner_packs(self._gc_owner)
+            self._registered = owned is not None
+            self._owned = set(owned or ())
             self._journal = Journal(
                 self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
             )
@@ -193,9 +195,11 @@ class Coordinator:
         }
 
     def _open(self, recover: bool) -> QueueState:
+        """J1/J4: a new queue where nothing of an earlier one exists, else recovery (I18)."""
         identity_path = os.path.join(self.directory, IDENTITY_FILE)
-        exists = posix.exists(identity_path) or self._journal.exists()
-        if exists and not recover:
+        has_identity = posix.exists(identity_path)
+        has_journal = self._journal.exists()
+        if (has_identity or has_journal) and not recover and not (self._abandon and not has_journal):
             raise UnsafeRecovery(
                 f"queue {self.queue_id!r} already exists in {self.directory}; reopen it with recover=True"
             )
@@ -204,50 +208,124 @@ class Coordinator:
             "max_result_tokens": self.limits.max_result_tokens,
             "metadata_bytes": self.limits.metadata_bytes,
         }
-        if not exists:
-            self._journal.create_dirs(str(self.backend.root))
+        if has_journal:
+            state = self._recover(identity_path, has_identity, limits)
+        else:
+            self._refuse_lost(has_identity)
+            state = self._create(identity_path, limits)
+        self._state = state
+        # J4.5: a new epoch, durable before serving, revokes every lease of the old one. It
+        # records the identity too, so a lost queue.json can be checked and rewritten (I18).
+        self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1, "identity": self._identity()})
+        return state
+
+    def _refuse_lost(self, has_identity: bool) -> None:
+        """I18: no journal here. A fresh queue may start only if nothing of an earlier one is left
+        (its ``queue.json``, or its owner in the catalog), or with ``abandon_lost_queue=True``."""
+        traces = []
+        if has_identity:
+            traces.append(f"{IDENTITY_FILE} of a queue whose journal (wal/, snap/) is gone")
+        if self._registered:
+            traces.append(f"catalog owner {self._gc_owner} (reaching {len(self._owned)} packs)")
+        if not traces or self._abandon:
+            return
+        raise UnsafeRecovery(
+            f"queue {self.queue_id!r} in {self.directory} has no journal, but an earlier queue there "
+            f"left {' and '.join(traces)}: its acknowledged tasks and results would be lost. Restore "
+            "the queue's files and open it with recover=True; or, to give that queue up and start a "
+            'new one, pass abandon_lost_queue=True (docs/QUEUE.md "Lost queues")'
+        )
+
+    def _create(self, identity_path: str, limits: Mapping[str, int]) -> QueueState:
+        """J1: segment 1, then the owner, then ``queue.json``: each one proves the one before (I18)."""
+        self._journal.create_dirs(str(self.backend.root))
+        self._journal.start_segment()
+        # The owner exists from the start (an empty add), so a catalog that lost it is told
+        # from a queue that never held a reference; abandoning an earlier queue releases its roots.
+        self.store._own(self._gc_owner, set(), replace=self._abandon)
+        self._registered = True
+        if self._abandon:
+            self._owned = set()
+            durable.replace_file(
+                identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
+            )
+        else:
             durable.create_file(
                 identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
             )
-            state = new_state(self.store.run_id, self.queue_id, limits)
-            self._journal.start_segment()
-        else:
-            self._check_identity(identity_path)
-            self._journal.create_dirs(str(self.backend.root))
-            state = self._replay(limits)
-            self._journal.start_segment()
-        self._state = state
-        # J4.5: a new epoch, durable before serving, revokes every lease of the old one.
-        self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1})
+        return new_state(self.store.run_id, self.queue_id, limits)
+
+    def _recover(self, identity_path: str, has_identity: bool, limits: Mapping[str, int]) -> QueueState:
+        """J4, I18: replay the journal; the identity must agree with ``queue.json`` and with what
+        the journal recorded, and the catalog must know the queue's owner."""
+        if has_identity:
+            self._check_identity(identity_path, self._read_identity(identity_path))
+        self._journal.create_dirs(str(self.backend.root))
+        state, recorded = self._replay(limits)
+        served = self._journal.last_seq > 0
+        if recorded is not None:
+            self._check_identity(identity_path, recorded, recorded=True)
+        if not has_identity:
+            if served and recorded is None:
+                raise UnsafeRecovery(
+                    f"{identity_path} is missing and the journal does not record the queue's identity "
+                    "(exclusive owner, limits): restore queue.json from a copy; refusing to recover"
+                )
+            # Crashed before queue.json became durable (nothing served), or it was lost and the
+            # journal's record of it matches this coordinator: write it again (D0).
+            durable.create_file(
+                identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
+            )
+        if not self._registered:
+            if served:
+                raise UnsafeRecovery(
+                    f"the pool's catalog does not know owner {self._gc_owner} of queue {self.queue_id!r}, "
+                    f"whose journal holds {self._journal.last_seq} frames: the catalog lost events (a "
+                    "truncated or older copy). Run `straw check` (--fix records the queue's roots "
+                    "again; docs/CHECK.md); refusing to open"
+                )
+            self.store._own(self._gc_owner, set(), replace=False)
+            self._registered = True
+        self._journal.start_segment()
         return state
 
-    def _check_identity(self, path: str) -> None:
+    def _read_identity(self, path: str) -> dict[str, Any]:
         try:
             found = decode(posix.read_file(path))
-        except FileNotFoundError:
-            return  # crashed before the identity became durable: nothing was ever served
         except OSError as error:
             raise posix.storage_error(error, f"reading {path}") from error
         if not isinstance(found, dict) or found.get("format") != QUEUE_FORMAT:
             raise CorruptData(f"{path} is not a straw queue identity file")
         if found.get("version") != QUEUE_VERSION:
             raise UnsupportedSchema(f"queue format version {found.get('version')!r} is not supported")
+        return found
+
+    def _check_identity(self, path: str, found: Mapping[str, Any], *, recorded: bool = False) -> None:
+        where = "its journal recorded" if recorded else f"{os.path.basename(path)} says"
         wanted = self._identity()
         for key in ("run_id", "queue_id", "exclusive_owner", "limits"):
             if found.get(key) != wanted[key]:
                 raise UnsafeRecovery(
-                    f"queue in {self.directory} was created with {key}={found.get(key)!r}, "
+                    f"queue in {self.directory} was created with {key}={found.get(key)!r} ({where}), "
                     f"this coordinator has {key}={wanted[key]!r}; refusing to recover another identity"
                 )
 
-    def _replay(self, limits: Mapping[str, int]) -> QueueState:
+    def _replay(self, limits: Mapping[str, int]) -> tuple[QueueState, dict[str, Any] | None]:
+        """The state after the journal's last durable frame, and the identity it last recorded."""
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
+        identity: list[dict[str, Any] | None] = [None]
 
         def apply(seq: int, body: bytes) -> None:
-            holder[0].apply(decode(body))
+            event = decode(body)
+            if event.get("op") == "epoch" and isinstance(event.get("identity"), dict):
+                identity[0] = event["identity"]
+            holder[0].apply(event)
 
         def load(body: bytes) -> None:
-            holder[0] = state_from_dict(decode(body), limits)
+            data = decode(body)
+            found = data.get("identity") if isinstance(data, dict) else None
+            identity[0] = found if isinstance(found, dict) else None
+            holder[0] = state_from_dict(data, limits)
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
@@ -259,7 +337,7 @@ class Coordinator:
             if collecting:
                 gc.enable()
         self.truncated_tail = recovered.truncated
-        return holder[0]
+        return holder[0], identity[0]
 
     # ------------------------------------------------------------------ the call path
 
@@ -345,7 +423,9 @@ class Coordinator:
     def _snapshot_locked(self) -> None:
         """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
         self._journal.wait(self._journal.last_seq)
-        self._journal.write_snapshot(encode(state_to_dict(self._state)))
+        body = state_to_dict(self._state)
+        body["identity"] = self._identity()  # I18: what queue.json says, kept where replay finds it
+        self._journal.write_snapshot(encode(body))
 
     def _new_id(self) -> str:
         # Ids (attempts, lease tokens, commits) must be unique, not secret: whoever can read the

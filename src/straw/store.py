@@ -962,6 +962,12 @@ class SharedFilesystemStore:
         with self._catalog.locked() as catalog:
             return set(catalog.state.owners.get(owner, set()))
 
+    def _owner_packs(self, owner: str) -> set[str] | None:
+        """The packs ``owner`` reaches, or None when the catalog does not know it."""
+        with self._catalog.locked() as catalog:
+            packs = catalog.state.owners.get(owner)
+            return set(packs) if packs is not None else None
+
     # -- reading -----------------------------------------------------------------------------
 
     def _session(self, *, shared: bool = False) -> ReadSession:

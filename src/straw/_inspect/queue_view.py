@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._catalog.state import queue_owner
 from .._journal import frame as journal_frame
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
-from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING, queue_owner
+from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
 from ..protocol import as_dict, decode
 from .journal_scan import JournalScan, scan_journal
 
