@@ -19,7 +19,7 @@ from .._fs import durable, lock, posix
 from .._journal import frame as journal_frame
 from .._pack import frame as pack_frame
 from ..backend import FilesystemBackend
-from ..coordinator import LOCK_FILE
+from ..coordinator import IDENTITY_FILE, LOCK_FILE
 from ..errors import QueueError
 from ..limits import LOG_CLOSE_ZEROS
 from .catalog_view import CatalogView, _load, catalog_lock
@@ -101,6 +101,7 @@ def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str |
             repaired.append(finding)
     findings += _pack_findings(pool, run_id)
     findings += _owner_findings(pool)
+    findings += _queue_owner_findings(pool)
     claims: dict[Finding, str] = {}  # root.unowned finding -> the queue owner that should reach it
     for view in pool.queues:
         findings += _queue_findings(pool, view, run_id, claims)
@@ -217,6 +218,48 @@ def _owner_findings(pool: Pool) -> list[Finding]:
             else:
                 message = f"owner {owner!r} reaches {path}, which is not on disk"
             out.append(Finding("owner.missing_pack", ERROR, path, message))
+    return out
+
+
+def _queue_owner_findings(pool: Pool) -> list[Finding]:
+    """I17, I18: every queue's owner is in the catalog, and every queue owner has its queue."""
+    state = pool.catalog.state
+    if not pool.catalog.complete or not pool.catalog.present:
+        return []
+    out = []
+    known = set()
+    for view in pool.queues:
+        owner = view.owner()
+        if owner is None:
+            continue
+        known.add(owner)
+        if owner not in state.owners and view.journal.last_seq > 0:
+            out.append(
+                Finding(
+                    "catalog.lost_owner",
+                    ERROR,
+                    f"{view.directory}/{IDENTITY_FILE}",
+                    f"queue {view.queue_id!r} in {view.directory} has a journal, but the catalog does not "
+                    f"know its owner {owner}: the catalog lost events (a truncated or older copy), so "
+                    "it may have lost other owners too. Collection refuses; restore the catalog or "
+                    "rebuild it (straw check --rebuild-catalog, docs/CHECK.md)",
+                )
+            )
+    if any(view.unidentified for view in pool.queues):
+        return out  # a queue without queue.json: its owner cannot be named, so none is "lost"
+    for owner in sorted(o for o in state.owners if o.startswith("queue:") and o not in known):
+        reach = len(state.owners[owner])
+        out.append(
+            Finding(
+                "queue.lost",
+                ERROR,
+                "",
+                f"catalog owner {owner} reaches {reach} pack(s), but no queue directory of the pool "
+                "uses it: an earlier queue's files were removed. Its data is kept; to start a new "
+                'queue there, open it with abandon_lost_queue=True (docs/QUEUE.md "Lost queues"), '
+                f"or give the data up with straw check --forget-owner {owner}",
+            )
+        )
     return out
 
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._catalog.state import queue_owner
+from .._fs import posix
 from .._journal import frame as journal_frame
+from .._journal import scan
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
 from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
 from ..protocol import as_dict, decode
@@ -33,6 +35,7 @@ class QueueView:
     granted: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)  # -> (seq, deadline)
     newest_deadline: float | None = None
     problems: list[tuple[str, str, str, str]] = field(default_factory=list)
+    unidentified: bool = False  # a journal without queue.json: its owner cannot be named
 
     @property
     def run_id(self) -> str | None:
@@ -52,9 +55,23 @@ class QueueView:
 def _identity(root: str, view: QueueView) -> None:
     relative = f"{view.directory}/{IDENTITY_FILE}"
     try:
-        with open(os.path.join(root, relative), "rb") as handle:
-            found = decode(handle.read())
+        found = decode(posix.read_file(os.path.join(root, relative)))
     except FileNotFoundError:
+        if scan.listing(os.path.join(root, view.directory, scan.SNAP_DIR), ".snap") or _frames_in_wal(
+            root, view.directory
+        ):
+            view.problems.append(
+                (
+                    "queue.identity",
+                    "error",
+                    relative,
+                    f"{relative} is missing but the queue's journal holds frames (queue.json was lost): "
+                    "recovery checks the coordinator against the identity the journal recorded and "
+                    "writes it again; restore it from a copy if the journal recorded none",
+                )
+            )
+            view.unidentified = True
+            return
         view.problems.append(
             (
                 "queue.no_identity",
@@ -90,8 +107,32 @@ def load_queue(root: str, directory: str) -> QueueView:
     tag = journal_frame.identity_tag(view.identity["run_id"], view.identity["queue_id"])
     view.journal = scan_journal(root, directory, tag)
     view.problems += view.journal.problems
+    if view.journal.empty:
+        relative = f"{directory}/{IDENTITY_FILE}"
+        view.problems.append(
+            (
+                "journal.missing",
+                "error",
+                relative,
+                f"{relative} exists but the queue has no journal segment or snapshot: its journal was "
+                "lost (a queue writes segment 1 before queue.json); recovery refuses it",
+            )
+        )
+        return view
     _replay(view)
     return view
+
+
+def _frames_in_wal(root: str, directory: str) -> bool:
+    """Whether any journal segment of the queue holds more than its header and zeros."""
+    for _, path in scan.listing(os.path.join(root, directory, scan.WAL_DIR), ".wal"):
+        try:
+            data = posix.read_file(path)
+        except FileNotFoundError:
+            continue
+        if data[journal_frame.SEGMENT_HEADER_BYTES :].strip(b"\0"):
+            return True
+    return False
 
 
 def _replay(view: QueueView) -> None:
