@@ -240,6 +240,14 @@ def getsize(path: str) -> int:
     return _system.current.getsize(path)
 
 
+def islink(path: str) -> bool:
+    return _system.current.islink(path)
+
+
+def realpath(path: str) -> str:
+    return _system.current.realpath(path)
+
+
 def read_file(path: str, limit: int | None = None) -> bytes:
     """The whole file at ``path`` (or its first ``limit`` bytes); raises ``OSError`` like ``open``."""
     fs = _system.current

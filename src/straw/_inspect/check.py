@@ -22,7 +22,7 @@ from ..backend import FilesystemBackend
 from ..coordinator import IDENTITY_FILE, LOCK_FILE
 from ..errors import QueueError
 from ..limits import LOG_CLOSE_ZEROS
-from .catalog_view import CatalogView, _load, catalog_lock
+from .catalog_view import CatalogView, _load, catalog_lock, read_catalog
 from .gather import Pool, RootSet, gather
 from .journal_scan import Tail, scan_journal
 from .layout import NotAPool
@@ -42,6 +42,15 @@ class Finding:
     path: str  # pool-relative ("" for the pool)
     message: str
     repair: str | None = None
+    #: For findings about a queue's roots: the roots that reach the pack (how two passes agree).
+    roots: tuple[str, ...] = ()
+
+    def agrees(self, other: Finding) -> bool:
+        """The same problem seen by another pass: same code and path, and, for a queue root,
+        at least one root in common (a result acknowledged meanwhile is a different root)."""
+        if (self.code, self.path) != (other.code, other.path):
+            return False
+        return not (self.roots and other.roots) or bool(set(self.roots) & set(other.roots))
 
 
 @dataclass
@@ -90,25 +99,34 @@ def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str |
     writers and coordinators; with ``fix`` it repairs only what docs/CHECK.md
     lists as repairable, never touching the journal of a queue whose coordinator is alive.
     """
-    pool = gather(root, fix_catalog=fix)
-    findings: list[Finding] = []
-    repaired: list[Finding] = []
+    pool, findings, claims = _examine(root, run_id)
+    if any(f.severity != INFO for f in findings):
+        # Beside live users a pass can meet a pack collected, a segment replaced or a frame
+        # being written after it read what pointed there. Damage stays put: only what a
+        # second, fresh pass finds again (same code and path) is reported (docs/CHECK.md).
+        first = [f for f in findings if f.severity != INFO]
+        pool, findings, claims = _examine(root, run_id)
+        findings = [f for f in findings if f.severity == INFO or any(f.agrees(g) for g in first)]
+        claims = {f: o for f, o in claims.items() if f in findings}
+    repaired = _repair(pool, findings, claims) if fix else []
+    run_ids = sorted({v.run_id for v in pool.queues if v.run_id is not None})
+    return CheckReport(pool.root, findings, repaired, run_ids)
+
+
+def _examine(
+    root: str | os.PathLike[str], run_id: str | None
+) -> tuple[Pool, list[Finding], dict[Finding, str]]:
+    """One pass: read the pool, and every finding about it (nothing is changed)."""
+    pool = gather(root)
     catalog_repair = "zero the torn frame under catalog/LOCK (what the next lock holder does, G2)"
-    for problem in pool.catalog.problems:
-        finding = _finding(problem, catalog_repair if problem[1] == REPAIRABLE else None)
-        findings.append(finding)
-        if problem in pool.catalog_repaired:
-            repaired.append(finding)
+    findings = [_finding(p, catalog_repair if p[1] == REPAIRABLE else None) for p in pool.catalog.problems]
     findings += _pack_findings(pool, run_id)
     findings += _owner_findings(pool)
     findings += _queue_owner_findings(pool)
     claims: dict[Finding, str] = {}  # root.unowned finding -> the queue owner that should reach it
     for view in pool.queues:
         findings += _queue_findings(pool, view, run_id, claims)
-    if fix:
-        repaired += _repair(pool, findings, claims)
-    run_ids = sorted({v.run_id for v in pool.queues if v.run_id is not None})
-    return CheckReport(pool.root, findings, repaired, run_ids)
+    return pool, findings, claims
 
 
 # --------------------------------------------------------------------------- packs
@@ -158,6 +176,7 @@ def _pack_findings(pool: Pool, run_id: str | None) -> list[Finding]:
         out += _seal_findings(
             pool, pack.path, pack.writer, scan.sealed, {e.index_offset for e in scan.extents}
         )
+    out += _link_findings(pool)
     for temp in pool.layout.temps:
         out.append(
             Finding(
@@ -166,6 +185,26 @@ def _pack_findings(pool: Pool, run_id: str | None) -> list[Finding]:
         )
     for stray in pool.layout.strays:
         out.append(Finding("pool.stray", INFO, stray, f"{stray} is not a file straw writes"))
+    return out
+
+
+def _link_findings(pool: Pool) -> list[Finding]:
+    """straw never writes a link under raw/: one is a bad copy or tampering (one leading out
+    of the pool is refused by every read, D5.1)."""
+    out = []
+    base = posix.realpath(pool.root)
+    for path in pool.layout.links:
+        target = posix.realpath(os.path.join(pool.root, path))
+        where = "outside the pool" if not target.startswith(base + os.sep) else "elsewhere in the pool"
+        out.append(
+            Finding(
+                "pack.symlink",
+                ERROR,
+                path,
+                f"{path} is a symbolic link to {where} ({target}); straw never writes links, and reads "
+                "refuse one that leaves the pool: restore the pack file itself",
+            )
+        )
     return out
 
 
@@ -211,6 +250,17 @@ def _owner_findings(pool: Pool) -> list[Finding]:
     out = []
     for owner in sorted(state.owners):
         for path in sorted(state.owners[owner]):
+            scan = pool.scans.get(path)
+            if path in on_disk and path not in state.tombstones and scan is not None and not scan.extents:
+                # An owner reaches a pack only through a reference to a complete extent, so a
+                # reached pack without one lost what the owner retained (a truncated or damaged
+                # pack, e.g. a dead writer's unsealed pack cut to its header).
+                message = (
+                    f"owner {owner!r} reaches {path}, which holds no complete extent any more: what "
+                    "the owner retained there is gone (restore the pack)"
+                )
+                out.append(Finding("owner.lost_extents", ERROR, path, message))
+                continue
             if path in on_disk and path not in state.tombstones:
                 continue
             if path in state.tombstones:
@@ -316,6 +366,7 @@ def _queue_findings(
                 ERROR,
                 path,
                 f"queue {view.queue_id!r} names data it cannot read: {message}",
+                roots=tuple(sorted(roots.unreadable_by.get((path, message), ()))),
             )
         )
     return out + _root_findings(pool, view, roots, claims)
@@ -331,16 +382,17 @@ def _root_findings(pool: Pool, view: QueueView, roots: RootSet, claims: dict[Fin
     queue = f"queue {view.queue_id!r}"
     for path in sorted(roots.packs):
         lost = f"lost: {roots.lost(path)}"
+        names = tuple(sorted(roots.reached_by.get(path, ())))
         if path not in on_disk:
             how = "was garbage-collected" if path in tombstones else "is gone"
             message = f"{queue} still needs {path}, which {how}; {lost}"
-            out.append(Finding("root.missing_pack", ERROR, path, message))
+            out.append(Finding("root.missing_pack", ERROR, path, message, roots=names))
         elif path in tombstones:
             message = (
                 f"{queue} needs {path} but it was garbage-collected (tombstoned; it can never be "
                 f"retained again, I15); {lost}"
             )
-            out.append(Finding("root.unowned", ERROR, path, message))
+            out.append(Finding("root.unowned", ERROR, path, message, roots=names))
         elif path not in owned:
             finding = Finding(
                 "root.unowned",
@@ -349,6 +401,7 @@ def _root_findings(pool: Pool, view: QueueView, roots: RootSet, claims: dict[Fin
                 f"{queue} needs {path} ({roots.lost(path)}) but its owner {owner} does not reach it (I16)",
                 "record it under the queue's owner (an add event under catalog/LOCK, refusing tombstoned "
                 "packs): retains more, never less",
+                roots=names,
             )
             claims[finding] = owner
             out.append(finding)
@@ -369,6 +422,12 @@ def _settled(root: str, view: QueueView, tail: Tail) -> bool:
 
 def _repair(pool: Pool, findings: list[Finding], claims: dict[Finding, str]) -> list[Finding]:
     repaired: list[Finding] = []
+    torn = [f for f in findings if f.code == "catalog.torn_tail"]
+    if torn:
+        # Read again under catalog/LOCK and zero only a torn tail still there (G2).
+        _, done = read_catalog(pool.root, fix=True)
+        if done:
+            repaired += torn
     if claims:
         repaired += _own_roots(pool.root, claims)
     tombstoned = [f for f in findings if f.code == "pack.tombstoned_present"]

@@ -22,6 +22,8 @@ from ..protocol import as_dict, decode
 from .journal_scan import JournalScan, scan_journal
 
 _LIMIT_KEYS = ("max_result_bytes", "max_result_tokens", "metadata_bytes")
+#: Reads of a journal that a live coordinator keeps replacing files of, before giving up.
+JOURNAL_READS_MAX = 5
 
 
 @dataclass
@@ -105,7 +107,15 @@ def load_queue(root: str, directory: str) -> QueueView:
     if view.identity is None:
         return view
     tag = journal_frame.identity_tag(view.identity["run_id"], view.identity["queue_id"])
-    view.journal = scan_journal(root, directory, tag)
+    for attempt in range(JOURNAL_READS_MAX):
+        try:
+            view.journal = scan_journal(root, directory, tag)
+            break
+        except FileNotFoundError:
+            # A live coordinator replaced a segment or snapshot between the listing and the
+            # read (J5.4): read the journal again from its new listing.
+            if attempt == JOURNAL_READS_MAX - 1:
+                raise
     view.problems += view.journal.problems
     if view.journal.empty:
         relative = f"{directory}/{IDENTITY_FILE}"
