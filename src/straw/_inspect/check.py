@@ -193,16 +193,18 @@ def _link_findings(pool: Pool) -> list[Finding]:
     of the pool is refused by every read, D5.1)."""
     out = []
     base = posix.realpath(pool.root)
+    packs = set(pool.on_disk)
     for path in pool.layout.links:
         target = posix.realpath(os.path.join(pool.root, path))
         where = "outside the pool" if not target.startswith(base + os.sep) else "elsewhere in the pool"
+        what = "reads refuse one that leaves the pool" if path in packs else "writes would go through it"
         out.append(
             Finding(
-                "pack.symlink",
+                "pack.symlink" if path in packs else "pool.symlink",
                 ERROR,
                 path,
-                f"{path} is a symbolic link to {where} ({target}); straw never writes links, and reads "
-                "refuse one that leaves the pool: restore the pack file itself",
+                f"{path} is a symbolic link to {where} ({target}); straw never writes links, and {what}: "
+                "restore the file itself",
             )
         )
     return out
@@ -211,6 +213,17 @@ def _link_findings(pool: Pool) -> list[Finding]:
 def _seal_findings(pool: Pool, path: str, writer: str, sealed: bool, offsets: set[int]) -> list[Finding]:
     info = pool.catalog.state.packs.get(path)
     out = []
+    if info is not None and info.sealed and info.extents is not None and not sealed:
+        # The writer records its seal in the catalog only after the seal frame is durable (D4).
+        out.append(
+            Finding(
+                "pack.missing_seal",
+                ERROR,
+                path,
+                f"{path}: the catalog recorded its writer's seal, but the pack ends without its seal "
+                "frame: it was cut short (extents after the cut are lost)",
+            )
+        )
     if info is not None and info.sealed and info.extents is not None:
         missing = sorted(set(info.extents) - offsets)
         if missing:

@@ -17,7 +17,7 @@ CHECK_DESCRIPTION = """\
 Verify a pool: every pack frame and checksum, every journal and catalog frame,
 that every live root of every queue is owned and every owned pack exists.
 Read-only unless --fix, which only makes repairs that cannot lose acknowledged
-data (docs/CHECK.md): finishing the unlink of a tombstoned pack, cutting a torn
+data (docs/CHECK.md): finishing the unlink of a tombstoned pack, zeroing a torn
 journal or catalog tail, recording a queue root its queue's owner lost. Journals
 of queues whose coordinator is alive are never touched.
 

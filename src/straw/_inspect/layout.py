@@ -39,7 +39,7 @@ class Layout:
     writers: list[str] = field(default_factory=list)
     queues: list[str] = field(default_factory=list)  # pool-relative queue directories
     strays: list[str] = field(default_factory=list)  # names under raw/ that straw never writes
-    links: list[str] = field(default_factory=list)  # packs that are symbolic links
+    links: list[str] = field(default_factory=list)  # packs and metadata files that are symbolic links
 
 
 def open_pool(root: str | os.PathLike[str]) -> str:
@@ -97,7 +97,20 @@ def list_pool(root: str) -> Layout:
             elif name != LIVE_FILE:
                 layout.strays.append(relative)
     layout.queues = queue_directories(root)
+    layout.links += _metadata_links(root, layout)
     return layout
+
+
+def _metadata_links(root: str, layout: Layout) -> list[str]:
+    """Pool-relative metadata files that are symbolic links (straw never makes one)."""
+    names = [POOL_MARKER]
+    names += [f"catalog/{n}" for n in _listdir(os.path.join(root, "catalog"))]
+    names += [f"raw/{w}/{LIVE_FILE}" for w in layout.writers]
+    for queue in layout.queues:
+        names += [f"{queue}/{n}" for n in _listdir(os.path.join(root, queue))]
+        for sub in ("wal", "snap"):
+            names += [f"{queue}/{sub}/{n}" for n in _listdir(os.path.join(root, queue, sub))]
+    return [name for name in names if posix.islink(os.path.join(root, name))]
 
 
 def writer_alive(root: str, writer: str, dead: set[str]) -> bool:

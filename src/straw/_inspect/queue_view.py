@@ -156,13 +156,18 @@ def _replay(view: QueueView) -> None:
             "metadata_bytes": 256 * 1024,
         }
     seq = view.journal.snapshot_seq
+    recorded: Any = None
     try:
         state = new_state(identity["run_id"], identity["queue_id"], limits)
         if view.journal.snapshot is not None:
-            state = state_from_dict(decode(view.journal.snapshot), limits)
+            data = decode(view.journal.snapshot)
+            recorded = data.get("identity") if isinstance(data, dict) else None
+            state = state_from_dict(data, limits)
         for seq, body in view.journal.frames:
             event = decode(body)
             state.apply(event)
+            if isinstance(event, dict) and event.get("op") == "epoch" and "identity" in event:
+                recorded = event["identity"]
             if isinstance(event, dict) and event.get("op") == "acquire":
                 for task_id, attempt_id, _ in event["grants"]:
                     view.granted[(task_id, attempt_id)] = (seq, float(event["deadline"]))
@@ -178,6 +183,28 @@ def _replay(view: QueueView) -> None:
         )
         return
     view.state = state
+    _compare_identity(view, recorded)
+
+
+def _compare_identity(view: QueueView, recorded: Any) -> None:
+    """I18: queue.json must say what the journal last recorded (recovery refuses otherwise)."""
+    identity = view.identity or {}
+    if not isinstance(recorded, dict):
+        return
+    differ = [
+        k for k in ("run_id", "queue_id", "exclusive_owner", "limits") if identity.get(k) != recorded.get(k)
+    ]
+    if differ:
+        relative = f"{view.directory}/{IDENTITY_FILE}"
+        view.problems.append(
+            (
+                "queue.identity",
+                "error",
+                relative,
+                f"{relative} disagrees with the identity the queue's journal recorded ({', '.join(differ)}): "
+                "it was changed or damaged; recovery refuses it",
+            )
+        )
 
 
 def describe(view: QueueView) -> dict[str, Any]:

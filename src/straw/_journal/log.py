@@ -168,17 +168,30 @@ class Journal:
         first = self._next_seq
         path = os.path.join(self.wal, _name(first, ".wal"))
         header = frame.encode_segment_header(frame.SEGMENT_MAGIC, first, self._chain, self.tag)
+        allocated = frame.SEGMENT_HEADER_BYTES + JOURNAL_PREALLOC_BYTES
         if posix.exists(path):
-            # A segment that starts here but holds no frame (replay ended before its first frame).
-            tail = self._read_file(path)[frame.SEGMENT_HEADER_BYTES :]
-            invariant(not tail.strip(b"\0"), "only an empty segment is reused")
-            posix.unlink(path)
-        # J1.1, J7: the segment is made visible with its zeros written ahead, in one D0, so no
-        # segment is ever seen without zeros after its frames. Appends then overwrite allocated
-        # blocks and their fdatasync need not commit a size change (about a third faster here).
-        durable.create_file(
-            path, [header, bytes(JOURNAL_PREALLOC_BYTES)], self.backend.sync_file, self.backend.sync_dir
-        )
+            # A segment that starts here but holds no frame (replay ended before its first frame):
+            # it is the segment this would create, so it is used as it is. Removing it first
+            # would let a crash in between leave the previous segment as the newest, cut at its
+            # last frame (J7), which recovery then refuses.
+            data = self._read_file(path)
+            invariant(not data[frame.SEGMENT_HEADER_BYTES :].strip(b"\0"), "only an empty segment is reused")
+            if data[: frame.SEGMENT_HEADER_BYTES] != header or len(data) < allocated // 2:
+                durable.replace_file(
+                    path,
+                    [header, bytes(JOURNAL_PREALLOC_BYTES)],
+                    self.backend.sync_file,
+                    self.backend.sync_dir,
+                )
+            else:
+                allocated = len(data)
+        else:
+            # J1.1, J7: the segment is made visible with its zeros written ahead, in one D0, so no
+            # segment is ever seen without zeros after its frames. Appends then overwrite allocated
+            # blocks and their fdatasync need not commit a size change (about a third faster here).
+            durable.create_file(
+                path, [header, bytes(JOURNAL_PREALLOC_BYTES)], self.backend.sync_file, self.backend.sync_dir
+            )
         fd = posix.open_append(path)
         old, old_end = self._fd, self._offset
         if old >= 0 and self._allocated > old_end:
@@ -193,7 +206,7 @@ class Journal:
         self._replayed_end = None
         self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
         self._durable_end = frame.SEGMENT_HEADER_BYTES
-        self._allocated = frame.SEGMENT_HEADER_BYTES + JOURNAL_PREALLOC_BYTES
+        self._allocated = allocated
         self.segment_first_seq = first
         if old >= 0:
             posix.close_quietly(old)
