@@ -19,7 +19,7 @@ all: test
 # Re-install whenever pyproject.toml changes (dependencies, extras, entry points).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,torch]'
+	$(BIN)/pip install -q -e '.[test,torch,engines]'
 	touch $@
 
 test: $(STAMP)

@@ -1,9 +1,12 @@
 """TensorRef and PayloadRef cross process boundaries: pickled here, loaded byte-exact in a child.
 
-The child is an independent interpreter (``sys.executable``) that knows only the pool's
-mount path, given either to ``straw.tensor.attach`` or in ``STRAW_POOL_ROOTS``
-(docs/FORMAT.md section 10). Another child checks that straw, straw.tensor and straw.codec
-import and read NumPy data with PyTorch blocked, and import neither torch nor PIL eagerly.
+The child is an independent interpreter (``sys.executable``). A reference is self-contained:
+a child that mounts the pool at the same path loads it with no setup at all; a pool mounted
+at another path is found through ``straw.tensor.attach`` or ``STRAW_POOL_ROOTS`` (a remap;
+docs/FORMAT.md section 10.3). The child names the sample's classes itself (``classes=``):
+straw never imports a module a document names. Another child checks that straw,
+straw.tensor and straw.codec import and read NumPy data with PyTorch blocked, and import
+neither torch nor PIL eagerly.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CHILD = textwrap.dedent(
     mode, root = sys.argv[1], sys.argv[2]
     if mode == "attach":
         straw.tensor.attach(root)
+    classes = {"process_sample_types:Sample", "process_sample_types:Status"}
     refs, payload = pickle.loads(sys.stdin.buffer.read())
     out = {"tensors": [], "sample": None}
     for ref in refs:
@@ -60,7 +64,7 @@ CHILD = textwrap.dedent(
         out["tensors"].append((str(value.dtype), tuple(value.shape), value.numpy().tobytes()))
         rows = ref[1:3]
         out.setdefault("rows", []).append(rows.clone())
-    out["sample"] = payload.load(materialize=True)
+    out["sample"] = payload.load(materialize=True, classes=classes)
     sys.stdout.buffer.write(pickle.dumps(out))
     """
 )
@@ -122,28 +126,41 @@ def check_child_output(output: bytes, tensors: dict[str, torch.Tensor], sample: 
     assert loaded.metadata["k"].tobytes() == sample.metadata["k"].tobytes()
 
 
-@pytest.mark.parametrize("mode", ["attach", "environment"])
-def test_refs_pickled_to_a_child_process_load_byte_exact(
-    published: tuple[Path, Any, list[Any], Any, Any, dict[str, Any]], mode: str
+def test_refs_pickled_to_a_child_process_load_with_no_setup(
+    published: tuple[Path, Any, list[Any], Any, Any, dict[str, Any]],
 ) -> None:
     pool, _, refs, payload, sample, extra = published
-    env = dict(extra["env"])
-    if mode == "environment":
-        env[POOL_ROOTS_ENV] = str(pool)
+    assert POOL_ROOTS_ENV not in extra["env"]
     data = pickle.dumps((refs, payload))
     assert len(pickle.dumps(payload)) < 1024 and all(len(pickle.dumps(r)) < 1024 for r in refs)
-    result = run_child(CHILD, [mode, str(pool)], data, env)
+    result = run_child(CHILD, ["none", str(pool)], data, extra["env"])
     assert result.returncode == 0, result.stderr.decode()
     check_child_output(result.stdout, extra["tensors"], sample)
 
 
-def test_a_child_without_a_pool_gets_a_clear_error(
-    published: tuple[Path, Any, list[Any], Any, Any, dict[str, Any]],
+@pytest.mark.parametrize("mode", ["attach", "environment"])
+def test_a_pool_mounted_elsewhere_is_remapped(
+    published: tuple[Path, Any, list[Any], Any, Any, dict[str, Any]], mode: str, tmp_path: Path
+) -> None:
+    pool, _, refs, payload, sample, extra = published
+    moved = pool.rename(tmp_path / "mounted-elsewhere")
+    env = dict(extra["env"])
+    if mode == "environment":
+        env[POOL_ROOTS_ENV] = os.pathsep.join(["/nonexistent/pool", str(moved)])
+    result = run_child(CHILD, [mode, str(moved)], pickle.dumps((refs, payload)), env)
+    assert result.returncode == 0, result.stderr.decode()
+    check_child_output(result.stdout, extra["tensors"], sample)
+
+
+def test_a_child_without_the_pool_gets_a_clear_error(
+    published: tuple[Path, Any, list[Any], Any, Any, dict[str, Any]], tmp_path: Path
 ) -> None:
     pool, _, refs, payload, _, extra = published
-    result = run_child(CHILD, ["none", str(pool)], pickle.dumps((refs, payload)), extra["env"])
+    moved = pool.rename(tmp_path / "unmounted")
+    result = run_child(CHILD, ["none", str(moved)], pickle.dumps((refs, payload)), extra["env"])
     assert result.returncode != 0
-    assert b"InvalidReference: no pool is attached in this process" in result.stderr
+    assert b"InvalidReference: no pool in this process can read" in result.stderr
+    assert f"its pool {str(pool)!r} is not mounted here".encode() in result.stderr
     assert b"STRAW_POOL_ROOTS" in result.stderr
 
 

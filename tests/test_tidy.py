@@ -318,3 +318,58 @@ def test_queue_core_is_pure() -> None:
                         f"{m.at(stmt)}: _queue imports {name}; the pure core takes time and ids as inputs"
                     )
     report(found, "impure import in straw._queue (no I/O, no clock, no randomness)")
+
+
+# ---------------------------------------------------------------- the rollout layer
+
+# straw.rollout is built on straw's public API only, stays framework neutral, and needs Ray
+# only in its Ray module (docs/ROLLOUT.md, "Imports").
+ROLLOUT_FORBIDDEN_TOP = frozenset({"slime", "megatron", "sglang", "vllm"})
+ROLLOUT_RAY_MODULE = ("straw", "rollout", "ray")
+
+
+def imported_names(m: Module) -> Iterator[tuple[ast.stmt, str]]:
+    """Every absolute module name ``m`` imports (relative imports resolved inside straw)."""
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module:
+                    yield node, node.module
+                continue
+            package = m.parts if m.is_package else m.parts[:-1]
+            base = package[: len(package) - (node.level - 1)]
+            target = ".".join(base + tuple(node.module.split("."))) if node.module else ".".join(base)
+            if node.module:
+                yield node, target
+            else:
+                for alias in node.names:
+                    yield node, f"{target}.{alias.name}"
+
+
+def test_rollout_imports_only_public_straw_and_no_framework() -> None:
+    found: list[str] = []
+    for m in modules():
+        if not m.under("rollout"):
+            continue
+        for node, name in imported_names(m):
+            parts = name.split(".")
+            if parts[0] == "straw" and len(parts) > 1 and parts[1].startswith("_"):
+                found.append(f"{m.at(node)}: imports {name}; straw.rollout uses straw's public modules only")
+            if parts[0] in ROLLOUT_FORBIDDEN_TOP:
+                found.append(f"{m.at(node)}: imports {name}; straw.rollout imports no training framework")
+            if parts[0] == "ray" and m.parts != ROLLOUT_RAY_MODULE:
+                found.append(f"{m.at(node)}: imports {name}; only straw.rollout.ray may import Ray")
+    report(found, "straw.rollout import rule")
+
+
+def test_the_rollout_import_rule_catches_violations() -> None:
+    source = (
+        "import ray\nfrom straw._fs import posix\nfrom .. import _pack\nimport vllm.engine\n"
+        "from slime.utils import x\nfrom straw import codec\n"
+    )
+    fake = Module(PACKAGE / "rollout" / "fake.py", ("straw", "rollout", "fake"), False, ast.parse(source))
+    names = [name for _, name in imported_names(fake)]
+    assert names == ["ray", "straw._fs", "straw._pack", "vllm.engine", "slime.utils", "straw"]

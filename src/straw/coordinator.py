@@ -46,7 +46,7 @@ from .errors import (
     UnsafeRecovery,
     UnsupportedSchema,
 )
-from .limits import JOURNAL_SNAPSHOT_BYTES_MIN
+from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -62,7 +62,7 @@ from .protocol import (
     digest,
     encode,
 )
-from .store import SharedFilesystemStore
+from .store import Adoption, SharedFilesystemStore
 
 __all__ = ["Coordinator"]
 
@@ -145,6 +145,9 @@ class Coordinator:
         # docs/GC.md "Queue roots": this queue's owner in the pool's catalog, and the packs it
         # is known to own (a reference into an owned pack needs no catalog write).
         self._gc_owner = queue_owner(store.run_id, os.path.relpath(self.directory, root))
+        # docs/GC.md "Queue adoption": publications taken over by durable calls whose staging
+        # has not yet been ended in the catalog (recorded with the next catalog write).
+        self._adopted = Adoption()
         try:
             owned = store._owner_packs(self._gc_owner)
             self._registered = owned is not None
@@ -350,12 +353,18 @@ class Coordinator:
                 "close it and reopen the queue with recover=True"
             )
 
-    def _commit(self, check: Callable[[], Event | Answer], packs: set[str] | None = None) -> Any:
+    def _commit(
+        self,
+        check: Callable[[], Event | Answer],
+        packs: set[str] | None = None,
+        adopted: Adoption | None = None,
+    ) -> Any:
         """Check, own, journal, apply under the lock; return once the transaction is durable (J2).
 
         ``packs`` are the packs the call's references reach: they are owned by the
         queue in the catalog before the journal names them (G6), so a crash
-        retains too much, never too little.
+        retains too much, never too little. ``adopted`` are the publications the
+        call takes over: their staging ends only after the transaction is durable.
         """
         with self._lock:
             self._usable()
@@ -366,11 +375,7 @@ class Coordinator:
                 reply = result.value
                 self._counters["duplicate_requests"] += 1
             else:
-                if packs:
-                    new = packs - self._owned
-                    if new:
-                        self.store._own(self._gc_owner, new, replace=False)
-                        self._owned |= new
+                self._own_before_naming(packs or set())
                 body = journal_body(result)
                 try:
                     seq = self._journal.append(body)
@@ -379,6 +384,9 @@ class Coordinator:
                     self._broken = error
                     raise
         self._wait_durable(seq)
+        if adopted and not isinstance(result, Answer):
+            with self._lock:
+                self._adopted.update(adopted)
         return reply
 
     def _wait_durable(self, seq: int) -> None:
@@ -395,6 +403,21 @@ class Coordinator:
         except BaseException as error:
             self._broken = error
             raise
+
+    def _own_before_naming(self, packs: set[str]) -> None:
+        """G6, with the lock held: the queue's owner reaches ``packs`` before the journal names
+        them. Pending adoptions ride along in the same catalog frame; when there are many and
+        no frame is due, they get one of their own (a failure here has journaled nothing)."""
+        new = packs - self._owned
+        adopted = self._adopted
+        if new:
+            self.store._own(self._gc_owner, new, replace=False, adopted=adopted)
+            self._owned |= new
+        elif len(adopted.items) + len(adopted.owners) >= ADOPTIONS_PENDING_MAX:
+            self.store._end_staging(adopted)
+        else:
+            return
+        self._adopted = Adoption()
 
     def _query(self, read: Callable[[], Any]) -> Any:
         """Answer from the state, once everything it may reflect is durable."""
@@ -447,10 +470,12 @@ class Coordinator:
         _text(request_id, "request_id")
         specs = self._check_specs(tasks)
         validate.producer(producer_id, producer_state)
-        packs = self._verify_inputs(spec.input_ref for spec in specs)
+        packs, adopted = self._verify_inputs(spec.input_ref for spec in specs)
         return list(
             self._commit(
-                lambda: self._state.check_submit(request_id, specs, producer_id, producer_state), packs
+                lambda: self._state.check_submit(request_id, specs, producer_id, producer_state),
+                packs,
+                adopted,
             )
         )
 
@@ -531,12 +556,16 @@ class Coordinator:
         else:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
-            packs = self.store.validate_reach(result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id)
+            adopted = Adoption()
+            packs = self.store.validate_reach(
+                result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
+            )
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id, packs
                 ),
                 packs,
+                adopted,
             )
             self.backend.fault("before_completion_reply")
             # The accepted reference is the caller's own (validated) object: no need to rebuild it.
@@ -578,9 +607,9 @@ class Coordinator:
         for item in items:
             if item.get("metadata") is not None:
                 validate.json_value(item["metadata"], "yield metadata", self.limits.metadata_bytes)
-        packs = self._verify_inputs(u.get("input_ref") for u in items)
+        packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs))
+        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted))
 
     def save_task_progress(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef) -> str:
         """Record new input for a task while keeping its lease."""
@@ -593,19 +622,21 @@ class Coordinator:
         items = validate.updates(
             updates, "save_task_progress_many", validate.PROGRESS_KEYS, ("lease", "input_ref")
         )
-        packs = self._verify_inputs(u.get("input_ref") for u in items)
+        packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs))
+        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted))
 
-    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> set[str]:
-        """Verify references through the store; returns the packs they reach (to own them)."""
+    def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> tuple[set[str], Adoption]:
+        """Verify references through the store; returns the packs they reach (to own them) and
+        the publications the call takes over (docs/GC.md "Queue adoption")."""
         found = []
         for ref in refs:
             if ref is not None:
                 if not isinstance(ref, RecordSetRef):
                     raise TypeError(f"expected a RecordSetRef, got {type(ref).__name__}")
                 found.append(ref)
-        return self.store.reach(found) if found else set()
+        adopted = Adoption()
+        return (self.store.reach(found, adoption=adopted) if found else set()), adopted
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
@@ -711,11 +742,11 @@ class Coordinator:
         _text(request_id, "request_id")
         _required_ref(state_ref, "state_ref")
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
-        packs = self._verify_inputs([state_ref, progress_ref])
+        packs, adopted = self._verify_inputs([state_ref, progress_ref])
         self._check_progress(consumer_id, progress_ref)
         return dict(
             self._commit(
-                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs
+                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs, adopted
             )
         )
 
@@ -751,14 +782,16 @@ class Coordinator:
             raise TypeError(
                 f"input_positions must be a list of positions, got {type(input_positions).__name__}"
             )
-        packs = self._verify_inputs([plan_ref])
+        packs, adopted = self._verify_inputs([plan_ref])
         batch = {
             "batch_id": batch_id,
             "consumer_id": consumer_id,
             "input_positions": list(input_positions),
             "plan_ref": as_dict(plan_ref),
         }
-        return dict(self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch), packs))
+        return dict(
+            self._commit(lambda: self._state.check_plan_batch(consumer_id, token, batch), packs, adopted)
+        )
 
     def batch_ready(
         self,
@@ -776,13 +809,15 @@ class Coordinator:
         _text(batch_id, "batch_id")
         _required_ref(ready_ref, "ready_ref")
         _required_ref(state_ref, "state_ref")
-        packs = self._verify_inputs([ready_ref, state_ref, progress_ref])
+        packs, adopted = self._verify_inputs([ready_ref, state_ref, progress_ref])
         self._check_progress(consumer_id, progress_ref)
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
         return dict(
             self._commit(
-                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state), packs
+                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state),
+                packs,
+                adopted,
             )
         )
 
@@ -797,7 +832,7 @@ class Coordinator:
         """Record a training checkpoint's reference; it is a GC root until released."""
         _text(checkpoint_id, "checkpoint_id")
         _required_ref(checkpoint_ref, "checkpoint_ref")
-        packs = self._verify_inputs([checkpoint_ref])
+        packs, adopted = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
 
         def check() -> Event | Answer:
@@ -810,7 +845,7 @@ class Coordinator:
                 return Answer(existing)
             return {"op": "register_checkpoint", "checkpoint_id": checkpoint_id, "checkpoint_ref": ref}
 
-        return dict(self._commit(check, packs))
+        return dict(self._commit(check, packs, adopted))
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
         _text(checkpoint_id, "checkpoint_id")
@@ -849,8 +884,10 @@ class Coordinator:
             listed, packs = self._state.roots(acknowledged, finished)
             refs = [RecordSetRef.from_dict(d) for d in listed]
             packs |= self.store.reach(refs)
-            self.store._own(self._gc_owner, packs, replace=True)
+            # Pending adoptions end with the same frame: from here on only owners keep those.
+            self.store._own(self._gc_owner, packs, replace=True, adopted=self._adopted)
             self._owned = set(packs)
+            self._adopted = Adoption()
         result = self.store.collect_garbage()
         result["queue_roots"] = len(refs)
         result["queue_packs"] = len(packs)
@@ -935,6 +972,9 @@ class Coordinator:
                     and self._journal.bytes_since_snapshot
                 ):
                     self._snapshot_locked()
+                # Adoptions whose staging is not yet ended in the catalog (they were durable).
+                self.store._end_staging(self._adopted)
+                self._adopted = Adoption()
             except OSError as error:
                 # The journal holds every acknowledged call whatever the snapshot's fate (J5):
                 # reopening with recover=True replays it. The caller still learns why.

@@ -164,6 +164,12 @@ CATALOG_PREALLOC_BYTES = 64 * KiB
 #: kernel, so a caller waits about one sync instead of one and a half.
 JOURNAL_SYNCS_IN_FLIGHT = 2
 
+#: Publications a coordinator may have taken over before it records the end of their
+#: staging in the catalog (docs/GC.md "Queue adoption"). Until then the queue's own owner
+#: keeps them, so the delay changes nothing a collector decides; the bound keeps the
+#: pending list, and the catalog frame that records it, small.
+ADOPTIONS_PENDING_MAX = 4096
+
 #: Longest queue, task, worker, producer, consumer, batch, checkpoint, request or submission
 #: id in UTF-8 bytes. Ids are names: each is journaled and repeated in snapshots.
 QUEUE_ID_BYTES_MAX = 1 * KiB

@@ -16,14 +16,14 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import xxhash
 
 from ._catalog import collect as gc
 from ._catalog.log import Catalog
-from ._catalog.state import RESERVED_PREFIXES, writer_of
+from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
 from ._pack.reader import PackReader
@@ -66,7 +66,7 @@ from .protocol import (
     encode,
 )
 
-__all__ = ["POOL_MARKER", "ReadSession", "SharedFilesystemStore"]
+__all__ = ["POOL_MARKER", "Adoption", "ReadSession", "SharedFilesystemStore"]
 
 #: File at the pool root naming the format; written once, durably (D0).
 POOL_MARKER = "straw-pool.json"
@@ -122,6 +122,16 @@ class ReadSession:
 
     def close(self) -> None:
         self._reader.close()
+
+    @property
+    def root(self) -> str:
+        """The mount path of the pool this session reads."""
+        return str(self._reader.backend.root)
+
+    @property
+    def run_id(self) -> str:
+        """The run whose packs this session reads."""
+        return self._reader.run_id
 
     def __enter__(self) -> ReadSession:
         return self
@@ -358,6 +368,26 @@ def _check_text(value: object, what: str, limit: int) -> str:
     return value
 
 
+@dataclass
+class Adoption:
+    """Publications a durable owner (a queue) took over: their writer's staging of them ends.
+
+    docs/GC.md "Queue adoption". ``items`` are catalog ``unstage`` items (pack, index
+    offset, manifest ordinal or ``RECORDS_ONLY``); ``owners`` the staging owners that kept
+    what those publications reach outside their own extent.
+    """
+
+    items: set[tuple[str, int, int]] = field(default_factory=set)
+    owners: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.owners)
+
+    def update(self, other: Adoption) -> None:
+        self.items |= other.items
+        self.owners |= other.owners
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -399,6 +429,9 @@ class SharedFilesystemStore:
             )
         self.max_record_bytes = max_record_bytes
         self.max_buffer_bytes = max_buffer_bytes
+        #: Records (manifests included) one write may hold; callers that split large batches
+        #: read it here, and tests may lower it on an instance.
+        self.max_records_per_write = RECORDS_PER_WRITE_MAX
         self.segment_target_bytes = segment_target_bytes
         # Recorded for the ownership catalog (docs/DURABILITY.md, "Lifetime").
         self.online_gc = bool(online_gc)
@@ -552,8 +585,8 @@ class SharedFilesystemStore:
     # -- writing: machinery -------------------------------------------------------------
 
     def _check_count(self, count: int) -> None:
-        if count > RECORDS_PER_WRITE_MAX:
-            raise ResourceLimitExceeded(f"{count} records in one write exceeds {RECORDS_PER_WRITE_MAX}")
+        if count > self.max_records_per_write:
+            raise ResourceLimitExceeded(f"{count} records in one write exceeds {self.max_records_per_write}")
 
     def _entry(self, record: Record) -> Entry:
         """Check one record against every limit and hash it; nothing is written yet."""
@@ -795,23 +828,34 @@ class SharedFilesystemStore:
                 [{"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}]
             )
 
-    def validate_reach(self, ref: RecordSetRef, *, task_id: str, attempt_id: str) -> set[str]:
+    def validate_reach(
+        self, ref: RecordSetRef, *, task_id: str, attempt_id: str, adoption: Adoption | None = None
+    ) -> set[str]:
         """``validate`` with ownership plus ``reach`` in one resolution (the queue's complete path).
 
         It returns no bytes, so it may use index frames that a store of this process wrote
-        and made durable without reading them back (``_SharedIndexes``).
+        and made durable without reading them back (``_SharedIndexes``). With ``adoption``,
+        it also notes what the result's staging is (docs/GC.md "Queue adoption").
         """
         session = self._session(shared=True)
         resolved = session.resolve(ref)
         session.check_ownership(resolved, task_id, attempt_id)
+        if adoption is not None:
+            self._note_adoption(session, ref, resolved, adoption)
         packs = {ref.manifest.segment.path}
         packs.update(r.segment.path for r in resolved.records)
         if resolved.dependencies:
-            packs |= self.reach(resolved.dependencies)
+            packs |= self.reach(resolved.dependencies, adoption=adoption)
         return packs
 
-    def reach(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
-        """Every pack the references reach: records, manifests and dependencies, transitively."""
+    def reach(
+        self, refs: Iterable[RecordSetRef | RecordRef], *, adoption: Adoption | None = None
+    ) -> set[str]:
+        """Every pack the references reach: records, manifests and dependencies, transitively.
+
+        With ``adoption``, every record set met (dependencies included) is noted as taken
+        over by the caller, which will end its staging once it owns it durably.
+        """
         session = self._session()
         packs: set[str] = set()
         seen: set[tuple[str, int, int]] = set()
@@ -829,10 +873,32 @@ class SharedFilesystemStore:
                 continue
             seen.add(key)
             resolved = session.resolve(ref)
+            if adoption is not None:
+                self._note_adoption(session, ref, resolved, adoption)
             packs.add(ref.manifest.segment.path)
             packs.update(r.segment.path for r in resolved.records)
             todo.extend(resolved.dependencies)
         return packs
+
+    def _note_adoption(
+        self, session: ReadSession, ref: RecordSetRef, resolved: _Resolved, adoption: Adoption
+    ) -> None:
+        """What ends a publication's staging: its manifest, its staging owner, and the
+        ``write_records`` extents it names whole (an extent it names only in part may still
+        be combined into another set, so its staging goes on)."""
+        segment = ref.manifest.segment
+        ordinal = ref.manifest.ordinal
+        adoption.items.add((segment.path, segment.offset, ordinal))
+        submission = session.index(segment).submission_id
+        adoption.owners.add(self._staging_owner(writer_of(segment.path), submission, ordinal))
+        outside: dict[tuple[str, int], tuple[SegmentRef, set[int]]] = {}
+        for located in resolved.records:
+            where = (located.segment.path, located.segment.offset)
+            if where != (segment.path, segment.offset):
+                outside.setdefault(where, (located.segment, set()))[1].add(located.ordinal)
+        for (path, offset), (records_segment, ordinals) in outside.items():
+            if len(ordinals) == len(session.index(records_segment).entries):
+                adoption.items.add((path, offset, RECORDS_ONLY))
 
     @staticmethod
     def _check_owner(owner: str) -> str:
@@ -844,16 +910,35 @@ class SharedFilesystemStore:
             )
         return owner
 
-    def _own(self, owner: str, packs: set[str], *, replace: bool) -> None:
+    def _own(self, owner: str, packs: set[str], *, replace: bool, adopted: Adoption | None = None) -> None:
         """G3: record an owner's packs, refusing any pack already tombstoned. No name check:
-        straw's own layers (the queue's ``queue:`` owner) call it directly."""
+        straw's own layers (the queue's ``queue:`` owner) call it directly. ``adopted`` ends
+        the staging of publications that owner took over, in the same catalog frame."""
         with self._catalog.locked() as catalog:
             gone = sorted(packs & catalog.state.tombstones)
             if gone:
                 raise InvalidReference(
                     f"cannot retain {gone[0]}: it was garbage-collected; republish the data"
                 )
-            catalog.append([{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}])
+            events = [{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}]
+            if adopted:
+                events += self._unstage_events(catalog, adopted)
+            catalog.append(events)
+
+    def _end_staging(self, adopted: Adoption) -> None:
+        """Record that an owner took these publications over (docs/GC.md "Queue adoption")."""
+        if adopted:
+            with self._catalog.locked() as catalog:
+                catalog.append(self._unstage_events(catalog, adopted))
+
+    @staticmethod
+    def _unstage_events(catalog: Catalog, adopted: Adoption) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if adopted.items:
+            events.append({"op": "unstage", "items": [list(x) for x in sorted(adopted.items)]})
+        owners = catalog.state.owners
+        events += [{"op": "release", "owner": o} for o in sorted(adopted.owners) if o in owners]
+        return events
 
     def _reach_live(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
         """``reach``, but data already collected is named as such (not as "not visible")."""
@@ -957,6 +1042,17 @@ class SharedFilesystemStore:
             answer = catalog.state.why(pack)
         answer["exists"] = posix.exists(path)
         return answer
+
+    def owners(self, prefix: str = "") -> list[str]:
+        """Names of the owners the pool's catalog records now whose name starts with ``prefix``.
+
+        Sorted; straw's own owners (``staging:``, ``queue:``, ``pin:``) are listed too, so a
+        prefix naming an application's owners (``checkpoint:<dir>/``) is the usual call.
+        """
+        if not isinstance(prefix, str):
+            raise TypeError(f"owners() takes a text prefix, got {type(prefix).__name__}")
+        with self._catalog.locked() as catalog:
+            return sorted(name for name in catalog.state.owners if name.startswith(prefix))
 
     def _owned(self, owner: str) -> set[str]:
         with self._catalog.locked() as catalog:

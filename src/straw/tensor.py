@@ -6,11 +6,12 @@ C-contiguous little-endian bytes, written straight from its memory, and the meta
 make row slices cheap: ``ref[a:b]`` reads and verifies only the chunks covering those
 rows. A full ``load`` allocates the result tensor first and reads into its storage.
 
-A :class:`TensorRef` is a small frozen value with no file handle and no absolute path. To
-read, it needs the pool: an explicit ``reader=`` (a read session or a store), else a pool
-attached in this process. Every store passed to a function of this module is attached
-automatically; another process attaches the pool's mount path with :func:`attach` or lists
-it in the ``STRAW_POOL_ROOTS`` environment variable (``os.pathsep``-separated).
+A :class:`TensorRef` is a small frozen value with no file handle. It carries the mount path
+of the pool it was written to or read from (``root``, a hint outside its identity), so a
+process that mounts the pool at the same path reads it with no setup. ``reader=`` (a read
+session or a store) names the pool explicitly; a pool mounted at another path is found
+through :func:`attach` or the ``STRAW_POOL_ROOTS`` environment variable
+(``os.pathsep``-separated), which remap it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from .limits import KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
 from .protocol import Record, RecordRef, RecordSetRef
-from .store import ReadSession, SharedFilesystemStore
+from .store import POOL_MARKER, ReadSession, SharedFilesystemStore
 
 __all__ = [
     "DTYPES",
@@ -148,27 +149,50 @@ def _attach_environment() -> None:
             attach(root)
 
 
-def _pool_of(ref: RecordRef) -> _Pool:
+def _remember_writer(writer: str, pool: _Pool) -> _Pool:
+    with _pools_lock:
+        if len(_writers) >= WRITERS_CACHED_MAX:
+            _writers.clear()
+        _writers[writer] = pool
+    return pool
+
+
+def _root_pool(root: str) -> _Pool | None:
+    """The pool mounted at a reference's own ``root``, attached on first use; None if no pool is there."""
+    pool = _pools.get(root)
+    if pool is not None:
+        return pool
+    if not os.path.isabs(root) or not posix.exists(os.path.join(root, POOL_MARKER)):
+        return None
+    attach(root)
+    return _pools.get(root)
+
+
+def _pool_of(ref: RecordRef, root: str = "") -> _Pool:
+    """Which pool holds ``ref`` (docs/FORMAT.md section 10.3): the reference's own mount path
+    first, then the pools attached or listed in STRAW_POOL_ROOTS (a remap)."""
     segment = ref.segment
     parts = segment.path.split("/") if isinstance(segment.path, str) else []
     writer = parts[1] if len(parts) == 3 else ""
     pool = _writers.get(writer)
     if pool is not None:
         return pool
+    own = _root_pool(root) if root else None
+    if own is not None and writer and own.holds(writer):
+        return _remember_writer(writer, own)
     _attach_environment()
     pools = list(_pools.values())
     holding = [p for p in pools if writer and p.holds(writer)]
     if holding:
-        with _pools_lock:
-            if len(_writers) >= WRITERS_CACHED_MAX:
-                _writers.clear()
-            _writers[writer] = holding[0]
-        return holding[0]
+        return _remember_writer(writer, holding[0])
+    if own is not None:
+        return own  # the pack is not visible yet on this client: the read retries, then reports it
     if len(pools) == 1:
-        return pools[0]  # not visible yet on this client: the read retries, then reports it
+        return pools[0]  # likewise
     if not pools:
+        where = f"its pool {root!r} is not mounted here; " if root else ""
         raise InvalidReference(
-            f"no pool is attached in this process to read {segment.path} of run {segment.run_id!r}: "
+            f"no pool in this process can read {segment.path} of run {segment.run_id!r}: {where}"
             f"pass reader=, call straw.tensor.attach(<pool mount path>) or set {POOL_ROOTS_ENV}"
         )
     raise InvalidReference(
@@ -177,8 +201,11 @@ def _pool_of(ref: RecordRef) -> _Pool:
     )
 
 
-def reader_for(ref: RecordRef, reader: ReadSession | SharedFilesystemStore | None = None) -> ReadSession:
-    """The read session to use for ``ref``: ``reader`` itself, or a session of an attached pool."""
+def reader_for(
+    ref: RecordRef, reader: ReadSession | SharedFilesystemStore | None = None, root: str = ""
+) -> ReadSession:
+    """The read session for ``ref``: ``reader`` itself, else one of the pool at ``root`` (the
+    reference's mount hint) or of an attached pool."""
     if isinstance(reader, ReadSession):
         return reader
     if isinstance(reader, SharedFilesystemStore):
@@ -190,7 +217,9 @@ def reader_for(ref: RecordRef, reader: ReadSession | SharedFilesystemStore | Non
         )
     if not isinstance(ref, RecordRef):
         raise InvalidReference(f"expected a RecordRef, got {type(ref).__name__}")
-    return _pool_of(ref).session(ref.segment.run_id)
+    if not isinstance(root, str):
+        raise InvalidReference(f"a reference's root is a mount path, got {type(root).__name__}")
+    return _pool_of(ref, root).session(ref.segment.run_id)
 
 
 @contextlib.contextmanager
@@ -324,8 +353,10 @@ def _describe(
 class TensorRef:
     """A published tensor: shape, dtype, byte count, kind and where its record is.
 
-    Small and picklable (no file handle, no absolute path). ``record_set`` and ``ordinal``
-    name the publication it came from when known, so :meth:`share` writes nothing.
+    Small and picklable (no file handle). ``record_set`` and ``ordinal`` name the publication
+    it came from when known, so :meth:`share` writes nothing. ``root`` is the mount path of
+    the pool it was written to or read from: where a process looks first (it is not part of
+    the reference's identity, and the RecordRef inside holds no absolute path).
     """
 
     record_ref: RecordRef
@@ -335,6 +366,7 @@ class TensorRef:
     kind: str
     record_set: RecordSetRef | None = None
     ordinal: int = 0
+    root: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if type(self.shape) is not tuple:  # a hand-made reference may pass a list
@@ -382,7 +414,7 @@ class TensorRef:
         """The whole tensor (CPU), read straight into freshly allocated storage and verified."""
         torch = _torch()
         with naming(self.what):
-            session = reader_for(self.record_ref, reader)
+            session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
             try:
                 out = torch.empty(self.shape, dtype=getattr(torch, self.dtype), pin_memory=pin_memory)
@@ -402,7 +434,7 @@ class TensorRef:
         if self.dtype == "bfloat16":
             raise UnsupportedSchema(f"{self.what} is bfloat16, which NumPy lacks; use load()")
         with naming(self.what):
-            session = reader_for(self.record_ref, reader)
+            session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
             out = np.empty(self.shape, dtype=_STORAGE[self.dtype])
             if self.nbytes:
@@ -432,7 +464,7 @@ class TensorRef:
         storage = _STORAGE[self.dtype]
         row_bytes = math.prod(self.shape[1:]) * storage.itemsize
         with naming(self.what):
-            session = reader_for(self.record_ref, reader)
+            session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
             if not row_bytes * (stop - start):
                 return torch.empty(shape, dtype=getattr(torch, self.dtype))
@@ -494,7 +526,7 @@ class TensorRef:
                 f"ordinal {ordinal!r} is not in a record set of {len(resolved.records)} records"
             )
         located = resolved.records[ordinal]
-        return cls.from_entry(located.ref(), located.entry, ref, ordinal)
+        return cls.from_entry(located.ref(), located.entry, ref, ordinal, str(store.backend.root))
 
     @classmethod
     def from_record_set_many(
@@ -508,16 +540,16 @@ class TensorRef:
         found = {}
         for ordinal, located in enumerate(session.resolve(ref).records):
             if located.entry.codec.startswith("tensor."):
-                found[ordinal] = cls.from_entry(located.ref(), located.entry, ref, ordinal)
+                found[ordinal] = cls.from_entry(located.ref(), located.entry, ref, ordinal, session.root)
         return found
 
     @classmethod
     def from_entry(
-        cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int
+        cls, ref: RecordRef, entry: Any, record_set: RecordSetRef | None, ordinal: int, root: str = ""
     ) -> TensorRef:
         """A reference from a verified index entry (``ReadSession.locate(...).entry``)."""
         dtype, shape, kind = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
-        return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal)
+        return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal, root)
 
 
 # --------------------------------------------------------------------------- publishing
@@ -574,7 +606,8 @@ def publish_tensors(
     ref = store.publish(records, submission_id=submission_id)
     attach(store)
     members = store.validate(ref)
+    root = str(store.backend.root)
     return [
-        TensorRef(member, shape, dtype, nbytes, kind, ref, ordinal)
+        TensorRef(member, shape, dtype, nbytes, kind, ref, ordinal, root)
         for ordinal, (member, (dtype, shape, nbytes, kind)) in enumerate(zip(members, described, strict=True))
     ]

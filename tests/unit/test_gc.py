@@ -329,6 +329,29 @@ def test_retain_replaces_the_owners_roots(root: Path) -> None:
     store.close()
 
 
+def test_owners_lists_the_catalogs_owners_by_prefix(root: Path) -> None:
+    writer = open_store(root, segment_target_bytes=0)
+    a, b = pub(writer, "a"), pub(writer, "b")
+    store = open_store(root)
+    store.retain("checkpoint:/save/rollout/queue_state_2.json:x", [a])
+    store.retain("checkpoint:/save/rollout/queue_state_10.json:y", [b])
+    store.retain("archive:/dbg/rollout_1.straw.json:z", [a])
+    assert store.owners("checkpoint:/save/rollout/") == [
+        "checkpoint:/save/rollout/queue_state_10.json:y",
+        "checkpoint:/save/rollout/queue_state_2.json:x",
+    ]
+    everything = store.owners()
+    assert "archive:/dbg/rollout_1.straw.json:z" in everything and everything == sorted(everything)
+    # Another store of the pool sees the same catalog; a release is visible at once.
+    writer.release("archive:/dbg/rollout_1.straw.json:z")
+    assert store.owners("archive:") == []
+    assert store.owners("no-such-prefix") == []
+    with pytest.raises(TypeError, match="text prefix"):
+        store.owners(None)  # type: ignore[arg-type]
+    writer.close()
+    store.close()
+
+
 def test_pin_keeps_data_alive_for_the_block_and_releases_on_error(root: Path) -> None:
     writer = open_store(root, segment_target_bytes=0)
     a = pub(writer, "a")

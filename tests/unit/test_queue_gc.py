@@ -12,8 +12,9 @@ root maps to exactly one file. Checked, each with the exact set of files left on
   consumer acknowledges nothing); a malformed progress record fails the collection;
 * consumer state and progress records, plan/ready references of batches not yet listed in
   ``finished_batches``, and registered checkpoints until ``release_checkpoint``;
-* an acknowledged result still staged by a live writer stays until the writer releases it or
-  dies, and an application owner keeps it beyond that;
+* an acknowledged result still staged by a live ``online_gc=False`` writer (which records no
+  seals, so adoption cannot free it early; test_queue_adoption.py) stays until the writer
+  releases it or dies, and an application owner keeps it beyond that;
 * G6 / I16: every reference the journal names is already reached by the queue's owner; a
   journal failure after the catalog ``add`` retains too much (the next
   ``Coordinator.collect_garbage`` trims it), a catalog failure before it journals nothing.

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from straw import Record, SharedFilesystemStore
+from straw import Record, SharedFilesystemStore, protocol
 from straw import tensor as tensor_module
 from straw._fs import system
 from straw.backend import FilesystemBackend
@@ -430,28 +430,37 @@ def test_loading_after_the_pack_was_deleted_names_the_reference(
 # --------------------------------------------------------------------------- references and pools
 
 
-def test_a_reference_pickles_small_without_paths_or_handles(
+def test_a_reference_pickles_small_with_only_its_mount_hint(
     store: SharedFilesystemStore, tmp_path: Path
 ) -> None:
     (ref,) = publish_tensors(store, {"routes": torch.arange(4)}, submission_id="pickle")
+    assert ref.root == str(tmp_path)
     data = pickle.dumps(ref)
     assert len(data) < 1024
-    assert str(tmp_path).encode() not in data
+    assert data.count(str(tmp_path).encode()) == 1  # the root; the record reference has no path
+    assert str(tmp_path) not in protocol.encode(dataclasses.asdict(ref.record_ref)).decode()
     copy = pickle.loads(data)
     assert copy == ref and torch.equal(copy.load(), torch.arange(4))
 
 
-def test_loading_needs_an_attached_pool_or_a_reader(store: SharedFilesystemStore, tmp_path: Path) -> None:
+def test_a_reference_reads_its_own_pool_without_setup(store: SharedFilesystemStore, tmp_path: Path) -> None:
     (ref,) = publish_tensors(store, {"x": torch.arange(3)}, submission_id="pools")
     detach(tmp_path)
-    with pytest.raises(InvalidReference, match=r"no pool is attached.*STRAW_POOL_ROOTS"):
-        ref.load()
+    assert torch.equal(ref.load(), torch.arange(3))  # through ref.root: no attach, no environment
+    detach(tmp_path)
+    anonymous = dataclasses.replace(ref, root="")  # a reference made by hand, without a mount hint
+    with pytest.raises(InvalidReference, match=r"no pool in this process can read.*STRAW_POOL_ROOTS"):
+        anonymous.load()
+    moved = dataclasses.replace(ref, root=str(tmp_path / "elsewhere"))
+    with pytest.raises(InvalidReference, match=r"elsewhere' is not mounted here"):
+        moved.load()
     with store.read_session() as session:
-        assert torch.equal(ref.load(reader=session), torch.arange(3))
-    assert torch.equal(ref.load(reader=store), torch.arange(3))
+        assert torch.equal(anonymous.load(reader=session), torch.arange(3))
+    assert torch.equal(anonymous.load(reader=store), torch.arange(3))
     detach(tmp_path)
     attach(str(tmp_path))
-    assert torch.equal(ref.load(), torch.arange(3))
+    assert torch.equal(anonymous.load(), torch.arange(3))
+    assert anonymous == ref  # the mount hint is not part of the reference's identity
 
 
 def test_the_environment_names_pools_for_other_processes(
@@ -473,9 +482,11 @@ def test_with_several_pools_the_one_holding_the_writer_is_chosen(tmp_path: Path)
     for s in stores:
         s.close()
     detach(tmp_path / "a")
+    attach(tmp_path / "c")
+    assert torch.equal(refs[0].load(), torch.full((2,), 0))  # its own root still holds it
+    detach(tmp_path / "a")
     with pytest.raises(InvalidReference, match="none of the attached pools"):
-        attach(tmp_path / "c")
-        refs[0].load()
+        dataclasses.replace(refs[0], root="").load()
 
 
 def test_a_reader_of_another_run_is_refused(store: SharedFilesystemStore, tmp_path: Path) -> None:

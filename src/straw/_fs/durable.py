@@ -94,3 +94,61 @@ def zero_tail(path: str, offset: int, sync_file: Sync) -> None:
         sync_file(fd)
     finally:
         posix.close_quietly(fd)
+
+
+def remove_file(path: str, sync_dir: SyncDir) -> bool:
+    """Durably remove ``path`` (unlink, then fsync its directory); False if it was absent (D0a)."""
+    try:
+        posix.unlink(path)
+    except FileNotFoundError:
+        return False
+    sync_dir(os.path.dirname(path))
+    return True
+
+
+def sync_tree(path: str) -> dict[str, int]:
+    """fsync every regular file below ``path`` and then every directory, deepest first (D0b).
+
+    Returns ``{relative POSIX path: size}`` (a single file maps its own name). Symlinks and
+    special files are refused with ``ValueError`` naming the first one met, before any sync:
+    a checkpoint that follows a link could record bytes that live outside it.
+    """
+    if posix.islink(path):
+        raise ValueError(f"Checkpoint payload must not be a symlink: {path}")
+    if not posix.isdir(path):
+        if not posix.isfile(path):
+            raise FileNotFoundError(f"No such file or directory: {path}")
+        size = _sync_regular(path)
+        posix.sync_dir(os.path.dirname(path))
+        return {os.path.basename(path): size}
+    files: list[tuple[str, str]] = []
+    directories = [path]
+    pending = [path]
+    while pending:  # bounded by the tree: every directory is listed once (no links are followed)
+        directory = pending.pop()
+        for name in sorted(posix.listdir(directory)):
+            full = os.path.join(directory, name)
+            relative = os.path.relpath(full, path).replace(os.sep, "/")
+            if posix.islink(full):
+                raise ValueError(f"Checkpoint payload must not be a symlink: {full}")
+            if posix.isdir(full):
+                directories.append(full)
+                pending.append(full)
+            elif posix.isfile(full):
+                files.append((relative, full))
+            else:
+                raise ValueError(f"Checkpoint payload must be regular files and directories: {full}")
+    sizes = {relative: _sync_regular(full) for relative, full in sorted(files)}
+    for directory in sorted(directories, key=lambda d: d.count(os.sep), reverse=True):
+        posix.sync_dir(directory)
+    posix.sync_dir(os.path.dirname(os.path.abspath(path)))
+    return sizes
+
+
+def _sync_regular(path: str) -> int:
+    fd = posix.open_read(path)
+    try:
+        posix.fsync(fd)
+        return posix.fstat_size(fd)
+    finally:
+        posix.close_quietly(fd)

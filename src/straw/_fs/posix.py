@@ -149,6 +149,11 @@ def sync_file(fd: int) -> None:
     _system.current.fdatasync(fd)
 
 
+def fsync(fd: int) -> None:
+    """Flush a file's data and all of its metadata (``sync_tree`` of checkpoint files)."""
+    _system.current.fsync(fd)
+
+
 def sync_dir(path: str) -> None:
     """Make entries created or renamed in ``path`` durable."""
     fs = _system.current
@@ -234,6 +239,11 @@ def exists(path: str) -> bool:
 
 def isdir(path: str) -> bool:
     return _system.current.isdir(path)
+
+
+def isfile(path: str) -> bool:
+    """Whether ``path`` is a regular file (following links; callers check :func:`islink` first)."""
+    return os.path.isfile(path)
 
 
 def getsize(path: str) -> int:

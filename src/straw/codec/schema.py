@@ -4,7 +4,9 @@ Pure: no I/O. :func:`encode_sample` walks a value and returns the JSON document 
 parts (arrays, tensors, large byte strings, images) that become records of their own;
 :func:`decode_sample` rebuilds the value from a document, asking its caller for parts and
 dependencies. The grammar is normative in docs/FORMAT.md section 10. Nothing is pickled:
-classes (enums, dataclasses) are named by module and qualified name and imported on load.
+classes (enums, dataclasses) are named by module and qualified name, and a load rebuilds
+only classes the application registered (:func:`register`) or listed (``classes=``);
+stored bytes never make straw import a module.
 """
 
 from __future__ import annotations
@@ -16,16 +18,30 @@ import importlib
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from .. import protocol
 from ..errors import CorruptData, ResourceLimitExceeded, UnsupportedSchema
 from ..limits import INLINE_BYTES_MAX, NESTING_DEPTH_MAX, PART_ID_BYTES_MAX
 
-__all__ = ["SCHEMA_VERSION", "Decoder", "Encoded", "Part", "decode_sample", "encode_sample"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "CyclicValue",
+    "Decoder",
+    "Encoded",
+    "Part",
+    "UnknownClass",
+    "UnsupportedValue",
+    "decode_sample",
+    "encode_sample",
+    "register",
+    "registered",
+]
 
 #: Version written in every sample document (``"v"``).
 SCHEMA_VERSION = 1
@@ -37,6 +53,34 @@ _NUMPY_SCALARS = {
 }
 
 
+class CyclicValue(ValueError):
+    """A container of the value contains itself; ``path`` names where (nothing was written)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsupportedValue(UnsupportedSchema):
+    """An object the codec cannot store; ``path`` and ``type_name`` (``module.qualname``) name it."""
+
+    def __init__(self, message: str, path: str, type_name: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.type_name = type_name
+
+
+class UnknownClass(UnsupportedSchema):
+    """A document names a class this load may not rebuild; ``class_name`` is ``module:qualname``.
+
+    Raised before anything is imported: the class must be registered or listed by the reader.
+    """
+
+    def __init__(self, message: str, class_name: str) -> None:
+        super().__init__(message)
+        self.class_name = class_name
+
+
 @dataclass(frozen=True)
 class Part:
     """A value stored as its own record: ``kind`` is "tensor" (array/tensor) or "bytes"."""
@@ -45,6 +89,7 @@ class Part:
     value: Any
     record_id: str
     tensor_kind: str = ""
+    tag: str = ""  # the node tag when it is not the default for the kind ("tref": a copied TensorRef)
 
 
 @dataclass
@@ -58,10 +103,59 @@ class Encoded:
 
 # --------------------------------------------------------------------------- class names
 
+# The allowlist: classes a load may rebuild, by "module:qualname". The application registers
+# its classes; publishing an object registers its class in the writing process (it is imported
+# there already). straw's own reference dataclasses are registered below.
+_registry: dict[str, type] = {}
+_registry_lock = threading.Lock()
+C = TypeVar("C", bound=type)
+
+
+def _name_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def register(cls: C) -> C:
+    """Allow loads in this process to rebuild ``cls`` (an Enum subclass or a dataclass).
+
+    Usable as a class decorator. The class must be defined at module level, so that the
+    writing and the reading process name it alike; registering another class under the same
+    name (a reloaded module) replaces the earlier one.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register() takes a class, got {type(cls).__name__}")
+    if not (issubclass(cls, enum.Enum) or dataclasses.is_dataclass(cls)):
+        raise TypeError(f"register() takes an Enum subclass or a dataclass, got {_name_of(cls)}")
+    if "<" in cls.__qualname__:
+        raise TypeError(f"{_name_of(cls)} is defined inside a function; define it at module level")
+    with _registry_lock:
+        _registry[_name_of(cls)] = cls
+    return cls
+
+
+def registered() -> dict[str, type]:
+    """The classes registered in this process, by ``module:qualname``."""
+    with _registry_lock:
+        return dict(_registry)
+
+
+for _cls in (
+    protocol.SegmentRef,
+    protocol.RecordRef,
+    protocol.RecordSetRef,
+    protocol.TaskSpec,
+    protocol.Lease,
+    protocol.CommitReceipt,
+    protocol.Limits,
+):
+    register(_cls)
+
 
 def class_name(cls: type) -> str:
-    """``module:qualname`` of a class that can be imported back by that name."""
-    name = f"{cls.__module__}:{cls.__qualname__}"
+    """``module:qualname`` of a class a reader can name; registers it in this process."""
+    name = _name_of(cls)
+    if _registry.get(name) is cls:
+        return name
     try:
         found = find_class(name)
     except UnsupportedSchema:
@@ -71,11 +165,17 @@ def class_name(cls: type) -> str:
             f"class {name} cannot be imported by its name (defined in a function or replaced); "
             "define it at module level so a reader can import it"
         )
+    with _registry_lock:
+        _registry[name] = cls
     return name
 
 
 def find_class(name: str) -> type:
-    """Import ``module:qualname``; UnsupportedSchema if that is not possible."""
+    """Import ``module:qualname``; UnsupportedSchema if that is not possible.
+
+    Only for names the application chose (a class being published, a name in ``classes=``),
+    never for a name read from a document.
+    """
     module_name, _, qualname = name.partition(":")
     if not module_name or not qualname or "<" in qualname:
         raise UnsupportedSchema(f"class name {name!r} is not importable (module:qualname)")
@@ -90,6 +190,43 @@ def find_class(name: str) -> type:
     if not isinstance(found, type):
         raise UnsupportedSchema(f"{name} is not a class")
     return found
+
+
+def _live(name: str, cls: type) -> type:
+    """The class now bound to ``name`` in its (already imported) module, else ``cls``.
+
+    A dataclass built with ``slots=True`` replaces the class object its ``__init_subclass__``
+    registered, and a reloaded module rebinds its classes; the module's current binding is
+    the one the application means. No import happens here.
+    """
+    module_name, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module_name)
+    for attribute in qualname.split("."):
+        found = getattr(found, attribute, None)
+    return found if isinstance(found, type) and _name_of(found) == name else cls
+
+
+def allowed_classes(classes: Collection[str] | None) -> dict[str, type] | None:
+    """Resolve a ``classes=`` set (names the caller chose) to classes; None means the registry."""
+    if classes is None:
+        return None
+    if isinstance(classes, str) or not isinstance(classes, Collection):
+        raise TypeError("classes= takes a collection of 'module:qualname' names")
+    out: dict[str, type] = {}
+    for name in classes:
+        if not isinstance(name, str):
+            raise TypeError(f"classes= names are 'module:qualname' strings, got {type(name).__name__}")
+        known = _registry.get(name)
+        out[name] = _live(name, known) if known is not None else find_class(name)
+    return out
+
+
+def unknown_class(name: str) -> UnknownClass:
+    return UnknownClass(
+        f"class {name} may not be rebuilt by this load: register it with straw.codec.register() in "
+        "the reading process or list it in classes= (straw never imports a module a document names)",
+        name,
+    )
 
 
 # --------------------------------------------------------------------------- encoding
@@ -118,10 +255,14 @@ class _Encoder:
         name: str,
         kinds: Mapping[str, str],
         special: Callable[[Any], tuple[str, Any] | None],
+        dependency_fields: Mapping[type, str],
+        classes: Collection[str] | None,
     ) -> None:
         self.path: list[str] = [name]
+        self.classes = classes
         self.kinds = kinds
         self.special = special
+        self.dependency_fields = dependency_fields
         self.active: dict[int, int] = {}  # id of a container on the current path -> path length
         self.memo: dict[int, tuple[Any, dict[str, Any]]] = {}  # id of a stored part -> (value, node)
         self.parts: list[Part] = []
@@ -145,9 +286,10 @@ class _Encoder:
             raise ResourceLimitExceeded(f"{self.where()} nests deeper than {NESTING_DEPTH_MAX} levels")
         ancestor = self.active.get(id(value))
         if ancestor is not None:
-            raise ValueError(
+            raise CyclicValue(
                 f"cycle: {self.where()} is the same {type(value).__name__} as its ancestor "
-                f"{''.join(self.path[:ancestor])}; the sample codec stores trees"
+                f"{''.join(self.path[:ancestor])}; the sample codec stores trees",
+                self.where(),
             )
         self.active[id(value)] = len(self.path)
 
@@ -162,7 +304,13 @@ class _Encoder:
         return index
 
     def part(
-        self, value: Any, kind: str, node: dict[str, Any], tensor_kind: str = "", source: Any = None
+        self,
+        value: Any,
+        kind: str,
+        node: dict[str, Any],
+        tensor_kind: str = "",
+        source: Any = None,
+        tag: str = "",
     ) -> dict[str, Any]:
         """Store ``value`` as the next record; ``node`` gets its ordinal.
 
@@ -176,7 +324,7 @@ class _Encoder:
         record_id = self.where()
         if len(record_id.encode("utf-8")) > PART_ID_BYTES_MAX:
             record_id = record_id.encode("utf-8")[:PART_ID_BYTES_MAX].decode("utf-8", "ignore")
-        self.parts.append(Part(kind, value, record_id, tensor_kind))
+        self.parts.append(Part(kind, value, record_id, tensor_kind, tag))
         node["r"] = len(self.parts)  # ordinal 0 is the document itself
         self.memo[id(source)] = (source, node)  # keep the source alive so its id stays unique
         return node
@@ -260,30 +408,65 @@ class _Encoder:
             if tag in ("tref", "payload"):
                 reference, extra = payload
                 return {"t": tag, "d": self.dependency(reference), **extra}
+            if tag == "tref-copy":  # a TensorRef the store cannot share: its bytes become a part
+                if id(value) in self.memo:
+                    return self.memo[id(value)][1]
+                loaded, kind = payload()
+                return self.part(loaded, "tensor", {"t": "tref"}, kind, source=value, tag="tref")
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return self.dataclass(value, depth)
         kind = type(value)
-        raise UnsupportedSchema(
-            f"{self.where()}: cannot store an object of type {kind.__module__}.{kind.__qualname__} "
+        type_name = f"{kind.__module__}.{kind.__qualname__}"
+        raise UnsupportedValue(
+            f"{self.where()}: cannot store an object of type {type_name} "
             "(supported: None, bool, int, float, str, bytes, list, tuple, dict, NumPy arrays and scalars, "
-            "torch tensors, PIL images, enums, dataclasses, TensorRef, PayloadRef)"
+            "torch tensors, PIL images, enums, dataclasses, TensorRef, PayloadRef)",
+            self.where(),
+            type_name,
         )
 
     def named(self, cls: type) -> str:
+        type_name = f"{cls.__module__}.{cls.__qualname__}"
         try:
-            return class_name(cls)
+            name = class_name(cls)
         except UnsupportedSchema as error:
-            raise UnsupportedSchema(f"{self.where()}: {error}") from None
+            raise UnsupportedValue(f"{self.where()}: {error}", self.where(), type_name) from None
+        if self.classes is not None and name not in self.classes:
+            raise UnsupportedValue(
+                f"{self.where()}: class {name} is not among the classes this publication may store",
+                self.where(),
+                type_name,
+            )
+        return name
+
+    def dependency_field(self, value: Any) -> str | None:
+        for cls in type(value).__mro__:
+            found = self.dependency_fields.get(cls)
+            if found is not None:
+                return found
+        return None
 
     def dataclass(self, value: Any, depth: int) -> dict[str, Any]:
         cls = self.named(type(value))
         self.enter(value, depth)
         names = [f.name for f in dataclasses.fields(value)]
+        edge = self.dependency_field(value) if self.dependency_fields else None
+        if edge is not None and edge not in names:
+            raise ValueError(f"{self.where()}: dependency field {edge!r} is not a field of {cls}")
         fields = []
         missing = object()
         for name in names:
             item = getattr(value, name, missing)
-            if item is not missing:  # an init=False field without a default may be unset
+            if item is missing:  # an init=False field without a default may be unset
+                continue
+            if name == edge:
+                if not isinstance(item, protocol.RecordSetRef):
+                    raise TypeError(
+                        f"{self.where()}.{name}: a dependency field holds a RecordSetRef, "
+                        f"got {type(item).__name__}"
+                    )
+                fields.append([name, {"t": "rset", "d": self.dependency(item)}])
+            else:
                 fields.append([name, self.child(f".{name}", item, depth)])
         extra = [
             [name, self.child(f".{name}", item, depth)]
@@ -300,24 +483,50 @@ def encode_sample(
     name: str = "sample",
     kinds: Mapping[str, str] | None = None,
     special: Callable[[Any], tuple[str, Any] | None] = lambda value: None,
+    dependency_fields: Mapping[type, str] | None = None,
+    classes: Collection[str] | None = None,
 ) -> Encoded:
     """The sample.v1 document of ``value``; raises before anything is written.
 
     ``special`` recognises the types this pure module does not import (torch tensors,
     PIL images, TensorRef, PayloadRef) and returns ``(tag, payload)`` or ``None``.
-    A cycle raises ``ValueError`` and an unsupported object ``UnsupportedSchema``, both
-    naming the path (``sample.metadata["a"][0]``).
+    ``dependency_fields`` maps a dataclass type to the field whose ``RecordSetRef`` is stored
+    as a dependency of the publication (an ``rset`` node) instead of as data.
+    A cycle raises :class:`CyclicValue` (a ``ValueError``) and an unsupported object
+    :class:`UnsupportedValue` (an ``UnsupportedSchema``), both naming the path
+    (``sample.metadata["a"][0]``). ``classes`` (``module:qualname`` names), when given, are
+    the only enums and dataclasses the value may hold (others are :class:`UnsupportedValue`).
     """
-    encoder = _Encoder(name, kinds or {}, special)
+    if classes is not None and (isinstance(classes, str) or not isinstance(classes, Collection)):
+        raise TypeError("classes= takes a collection of 'module:qualname' names")
+    encoder = _Encoder(name, kinds or {}, special, _check_dependency_fields(dependency_fields), classes)
     root = encoder.node(value, 0)
     return Encoded({"v": SCHEMA_VERSION, "root": root}, encoder.parts, encoder.dependencies)
+
+
+def _check_dependency_fields(fields: Mapping[type, str] | None) -> Mapping[type, str]:
+    if not fields:
+        return {}
+    if not isinstance(fields, Mapping):
+        raise TypeError("dependency_fields= maps a dataclass type to the name of its RecordSetRef field")
+    for cls, name in fields.items():
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise TypeError(f"dependency_fields= keys are dataclass types, got {cls!r}")
+        if not isinstance(name, str) or name not in {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError(f"dependency_fields=: {name!r} is not a field of {_name_of(cls)}")
+    return fields
 
 
 # --------------------------------------------------------------------------- decoding
 
 
 class Decoder:
-    """Rebuilds values; the caller supplies parts (by ordinal) and dependencies (by index)."""
+    """Rebuilds values; the caller supplies parts (by ordinal) and dependencies (by index).
+
+    ``root`` is the mount path of the pool being read (references decoded get it).
+    """
+
+    root: str = ""
 
     def part(self, ordinal: int, tag: str, node: Mapping[str, Any]) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -326,21 +535,122 @@ class Decoder:
         raise NotImplementedError
 
 
-def decode_sample(document: object, decoder: Decoder) -> Any:
-    """Rebuild the value of a sample document (verified bytes, parsed JSON)."""
+Selection = Mapping[Any, Sequence[int] | None]
+
+
+def check_selection(select: object) -> Selection | None:
+    """Validate a ``select=`` argument before anything is read."""
+    if select is None:
+        return None
+    if not isinstance(select, Mapping):
+        raise TypeError("select= maps a key of the root dict to a list of element indices or None")
+    for key, indices in select.items():
+        if indices is None:
+            continue
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
+            raise TypeError(f"select=[{key!r}] must be a sequence of indices or None")
+        for index in indices:
+            if type(index) is not int or index < 0:
+                raise ValueError(f"select=[{key!r}] holds {index!r}; indices are non-negative integers")
+    return select
+
+
+def decode_sample(
+    document: object,
+    decoder: Decoder,
+    *,
+    classes: Mapping[str, type] | None = None,
+    select: Selection | None = None,
+    root_fields: Mapping[type, str] | None = None,
+) -> Any:
+    """Rebuild the value of a sample document (verified bytes, parsed JSON).
+
+    ``classes`` (resolved names, see :func:`allowed_classes`) replaces the registry as the
+    set of classes the document may name. ``select`` decodes only some keys of a dict root
+    (and of a list value, only some elements, in the order given), so the parts and
+    dependencies of everything else are never asked for. ``root_fields`` names, per
+    dataclass type, a field set to ``decoder.root`` after the rebuild (a mount hint).
+    """
     if not isinstance(document, dict) or "v" not in document or "root" not in document:
         raise CorruptData("a sample document is an object with 'v' and 'root'")
     if document["v"] != SCHEMA_VERSION:
         raise UnsupportedSchema(
             f"sample schema version {document['v']!r} is not supported (this straw reads {SCHEMA_VERSION})"
         )
-    return _Reader(decoder).node(document["root"], 0)
+    reader = _Reader(decoder, classes, root_fields or {})
+    if select is None:
+        return reader.node(document["root"], 0)
+    return reader.selected(document["root"], select)
 
 
 class _Reader:
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(
+        self, decoder: Decoder, classes: Mapping[str, type] | None, root_fields: Mapping[type, str]
+    ) -> None:
         self.decoder = decoder
+        self.classes = classes
+        self.root_fields = root_fields
         self.memo: dict[tuple[str, int, int], Any] = {}
+
+    def resolve(self, name: str) -> type:
+        """The class a document names, from the allowlist only (nothing is imported here)."""
+        if self.classes is not None:
+            found = self.classes.get(name)
+        else:
+            known = _registry.get(name)
+            found = None if known is None else _live(name, known)
+        if found is None:
+            raise unknown_class(name)
+        return found
+
+    def rebuilt(self, obj: Any) -> Any:
+        if self.root_fields:
+            for cls in type(obj).__mro__:
+                name = self.root_fields.get(cls)
+                if name is not None:
+                    object.__setattr__(obj, name, self.decoder.root)
+                    break
+        return obj
+
+    def selected(self, node: Any, select: Selection) -> dict[Any, Any]:
+        """Only the selected keys of a dict root; for list values only the selected elements."""
+        if not (isinstance(node, dict) and node.get("t") == "dict"):
+            shown = (
+                "a list"
+                if isinstance(node, list)
+                else f"a {node.get('t')!r} node"
+                if isinstance(node, dict)
+                else type(node).__name__
+            )
+            raise ValueError(f"A column selection requires a dictionary payload (the root is {shown})")
+        out: dict[Any, Any] = {}
+        found: set[Any] = set()
+        try:
+            items = _list(node["items"])
+            for pair in items:
+                key_node, value_node = _list(pair)
+                key = self.node(key_node, 1)
+                if key not in select:
+                    continue
+                found.add(key)
+                indices = select[key]
+                if indices is None:
+                    out[key] = self.node(value_node, 1)
+                    continue
+                if not isinstance(value_node, list):
+                    raise ValueError(f"select=[{key!r}] lists indices, but that value is not a list")
+                for index in indices:
+                    if index >= len(value_node):
+                        raise ValueError(
+                            f"select=[{key!r}] holds index {index}; the list has {len(value_node)}"
+                        )
+                out[key] = [self.node(value_node[index], 2) for index in indices]
+        except (KeyError, TypeError) as error:
+            raise CorruptData(f"malformed dict root in a sample document: {error!r}") from None
+        missing = [key for key in select if key not in found]
+        if missing:
+            raise KeyError(f"selected keys not in the payload: {missing!r}")
+        return out
 
     def node(self, node: Any, depth: int) -> Any:
         if depth > NESTING_DEPTH_MAX:
@@ -409,6 +719,11 @@ def _dependency(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     return reader.referenced(node, "d", tag, lambda d: reader.decoder.dependency(d, tag, node))
 
 
+def _tensor_ref(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
+    """A nested TensorRef: shared (a dependency, ``d``) or copied into this publication (``r``)."""
+    return _part(reader, node, depth) if "r" in node else _dependency(reader, node, depth)
+
+
 def _npscalar(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     name = node["dtype"]
     if name not in _NUMPY_SCALARS.values():
@@ -417,7 +732,7 @@ def _npscalar(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
 
 
 def _enum(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
-    cls = find_class(_text(node["cls"]))
+    cls = reader.resolve(_text(node["cls"]))
     if not issubclass(cls, enum.Enum):
         raise UnsupportedSchema(f"{node['cls']} is not an Enum")
     value = reader.node(node["v"], depth)
@@ -429,7 +744,7 @@ def _enum(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
 
 def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     name = _text(node["cls"])
-    cls = find_class(name)
+    cls = reader.resolve(name)
     if not dataclasses.is_dataclass(cls):
         raise UnsupportedSchema(f"{name} is not a dataclass")
     try:
@@ -453,7 +768,7 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
             object.__setattr__(obj, f.name, f.default)
         elif f.default_factory is not dataclasses.MISSING:
             object.__setattr__(obj, f.name, f.default_factory())
-    return obj
+    return reader.rebuilt(obj)
 
 
 def _list(value: object) -> list[Any]:
@@ -477,8 +792,9 @@ _HANDLERS: dict[str, Callable[[_Reader, Mapping[str, Any], int], Any]] = {
     "ndarray": _part,
     "tensor": _part,
     "pil": _part,
-    "tref": _dependency,
+    "tref": _tensor_ref,
     "payload": _dependency,
+    "rset": _dependency,
     "npscalar": _npscalar,
     "enum": _enum,
     "dataclass": _dataclass,
