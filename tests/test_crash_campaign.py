@@ -77,8 +77,8 @@ H = jframe.FRAME_HEADER_BYTES
 
 #: How often the child's complete workload reaches each fault phase (checked by a test).
 PHASE_COUNTS = {
-    "after_catalog_append": 18,
-    "after_catalog_sync": 18,
+    "after_catalog_append": 19,
+    "after_catalog_sync": 19,
     "after_data_sync": 16,
     "after_data_write": 16,
     "after_dir_sync": 8,
@@ -88,7 +88,7 @@ PHASE_COUNTS = {
     "after_seal_sync": 4,
     "after_snapshot_write": 2,
     "after_tombstone": 1,
-    "before_catalog_write": 18,
+    "before_catalog_write": 19,
     "before_completion_reply": 6,
     "before_data_write": 16,
     "before_dir_sync": 8,
