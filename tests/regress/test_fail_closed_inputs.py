@@ -40,6 +40,7 @@ from straw.errors import (
 from straw.limits import FAILURE_BYTES_MAX, PRODUCER_STATE_BYTES_MAX, QUEUE_ID_BYTES_MAX
 from straw.protocol import Record, RecordSetRef, TaskSpec, encode
 from straw.testing import FaultFS
+from straw.testing.faultfs import FAULT_KINDS
 
 RUN = "run-inputs"
 
@@ -353,64 +354,151 @@ def _fs_store() -> SharedFilesystemStore:
     return SharedFilesystemStore(FS_ROOT, RUN, backend=backend)
 
 
-@pytest.mark.parametrize("skip", range(4))
-def test_a_full_disk_while_close_snapshots_raises_quota_exceeded_and_loses_nothing(skip: int) -> None:
-    """Before: close() let a bare OSError out (ENOSPC zero-filling the next segment)."""
-    fs = FaultFS(skip, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
-    fs.makedirs_durable("/r")
-    with installed(fs):
-        store = _fs_store()
-        coord = Coordinator(store, exclusive_owner="o", clock=qh.Clock())
-        coord.submit_tasks("submit", [TaskSpec(f"t{i}") for i in range(3)])
-        receipt = qh.work_one(coord, "w")
-        fs.fail_next("write", errno.ENOSPC, skip=skip)
-        try:
-            coord.close()
-        except QuotaExceeded as error:
-            assert "No space left" in str(error)
-        fs.disarm()
-        with Coordinator(store, exclusive_owner="o", recover=True, clock=qh.Clock()) as again:
-            assert again.lookup_submission("sub-t0") == receipt
-            assert sorted(again.tasks) == ["t0", "t1", "t2"]
+# Every file-system call close() or a snapshot makes can meet a full disk; the sweep fails
+# each one in turn (kind, then position) until the fault no longer fires. Bounded: FaultFS is
+# in memory and close() makes a few dozen calls.
+SWEEP_SKIPS_MAX = 40
 
 
-@pytest.mark.parametrize("skip", range(4))
-def test_a_full_disk_at_the_snapshot_threshold_raises_quota_exceeded_and_loses_nothing(
-    skip: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _full_disk_sweep(kind: str, act: Callable[[Coordinator, FaultFS], str | None]) -> list[str]:
+    """Fail the ``skip``-th ``kind`` call of ``act`` with ENOSPC for skip = 0, 1, ... until the
+    fault does not fire; each time: only straw errors (a full disk as ``QuotaExceeded``), then a
+    recovery that keeps every acknowledged fact. The outcome of each position."""
+    outcomes: list[str] = []
+    for skip in range(SWEEP_SKIPS_MAX):
+        fs = FaultFS(skip, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
+        fs.makedirs_durable("/r")
+        with installed(fs):
+            store = _fs_store()
+            coord = Coordinator(store, exclusive_owner="o", clock=qh.Clock())
+            coord.submit_tasks("submit", [TaskSpec(f"t{i}") for i in range(3)])
+            receipt = qh.work_one(coord, "w")
+            fs.fail_next(kind, errno.ENOSPC, skip=skip)
+            try:
+                extra = act(coord, fs)
+                outcome = "ok"
+            except (QuotaExceeded, IndeterminateCommit) as error:
+                # Never a bare OSError, never StorageUnavailable hiding the full disk.
+                assert "No space left" in str(error), error
+                extra, outcome = None, type(error).__name__
+            if fs.disarm():
+                return outcomes  # the fault no longer fires: every position was tried
+            with contextlib.suppress(StorageUnavailable, UnsafeRecovery):
+                coord.close()  # a stopped coordinator (J3) may refuse; reopened below
+            with Coordinator(store, exclusive_owner="o", recover=True, clock=qh.Clock()) as again:
+                assert again.lookup_submission("sub-t0") == receipt, (kind, skip)
+                tasks = sorted(again.tasks)
+                assert tasks[:3] == ["t0", "t1", "t2"], (kind, skip)
+                if extra is not None:  # acknowledged by the damaged call: kept
+                    assert extra in tasks, (kind, skip)
+            outcomes.append(f"{skip}:{outcome}")
+    raise AssertionError(f"the {kind} fault still fires after {SWEEP_SKIPS_MAX} calls")
+
+
+def _close(coord: Coordinator, fs: FaultFS) -> None:
+    coord.close()
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_a_full_disk_anywhere_in_close_raises_quota_exceeded_and_loses_nothing(kind: str) -> None:
+    """Before: close() let a bare OSError out (ENOSPC zero-filling the next segment).
+
+    close() writes a snapshot, starts the next segment with its zeros and records the
+    queue's owner; a full disk at any of these raises ``QuotaExceeded``. Where the failed
+    call only tidies (trimming the old segment's zeros, removing a leftover name, the last
+    sync of a segment nothing acknowledged is in), close() returns: nothing depends on it.
+    """
+    outcomes = _full_disk_sweep(kind, _close)
+    if kind in ("open", "write", "sync"):
+        assert "0:QuotaExceeded" in outcomes, outcomes  # the snapshot's own file
+    if kind == "write":  # the next segment's zero fill (issue 11's case) is the second write
+        assert outcomes[:2] == ["0:QuotaExceeded", "1:QuotaExceeded"], outcomes
+
+
+def _submit_past_threshold(coord: Coordinator, fs: FaultFS) -> str:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coordinator_module, "JOURNAL_SNAPSHOT_BYTES_MIN", 1)
+        coord.submit_tasks("more", [TaskSpec("t3")])
+    return "t3"
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_a_full_disk_at_the_snapshot_threshold_raises_quota_exceeded_and_loses_nothing(kind: str) -> None:
     """Before: every mutating call past the threshold let a bare OSError out of _maybe_snapshot.
 
-    Depending on which write meets the full disk, the call is refused before anything
-    changed (the snapshot's own write: ``QuotaExceeded``), stops the coordinator (the next
-    segment's: ``QuotaExceeded``, then ``UnsafeRecovery`` until reopened, J3) or is the call's
-    own journal write (``IndeterminateCommit``); never a bare ``OSError``, never a loss.
+    Depending on which call meets the full disk, the mutating call is refused before
+    anything changed (the snapshot's own file: ``QuotaExceeded``), stops the coordinator
+    (starting the next segment: ``QuotaExceeded``, then ``UnsafeRecovery`` until reopened,
+    J3), or is the call's own journal write (``IndeterminateCommit``, whose message names
+    the full disk); never a bare ``OSError``, never a loss of an acknowledged call.
     """
-    fs = FaultFS(skip, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
+    outcomes = _full_disk_sweep(kind, _submit_past_threshold)
+    if kind in ("open", "write", "sync"):
+        assert "0:QuotaExceeded" in outcomes, outcomes
+    if kind == "write":
+        assert outcomes[:2] == ["0:QuotaExceeded", "1:QuotaExceeded"], outcomes
+
+
+def _fs_files(fs: FaultFS, directory: str) -> dict[str, bytes]:
+    """Every journal segment and snapshot of a queue on ``fs``, with its bytes."""
+    return {
+        f"{sub}/{name}": fs.read_bytes(f"{directory}/{sub}/{name}")
+        for sub in ("wal", "snap")
+        for name in sorted(fs.listdir(f"{directory}/{sub}"))
+    }
+
+
+def _mutating_calls(coord: Coordinator, store: SharedFilesystemStore) -> dict[str, Callable[[], Any]]:
+    """One call of each kind that journals, set up so that it would succeed (heartbeats are not
+    journaled, J6)."""
+    held = coord.acquire("holder").assignments[0].lease
+    meta = {"task_id": held.task_id, "attempt_id": held.attempt_id}
+    ref = store.publish([Record("out", b"o" * 40, metadata=meta)], submission_id="out")
+    return {
+        "acquire": lambda: coord.acquire("w2"),
+        "release_tasks": lambda: coord.release_tasks([held], request_id="rel"),
+        "fail_task": lambda: coord.fail_task(held, request_id="fail", failure="x"),
+        "complete_task": lambda: coord.complete_task(
+            held, submission_id="done", result_ref=ref, result_digest=ref.digest
+        ),
+        "submit_tasks": lambda: coord.submit_tasks("more", [TaskSpec("t9")]),
+        "register_checkpoint": lambda: coord.register_checkpoint("ck", ref),
+    }
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "acquire",
+        "release_tasks",
+        "fail_task",
+        "complete_task",
+        "submit_tasks",
+        "register_checkpoint",
+    ],
+)
+def test_every_mutating_call_past_the_threshold_refuses_a_full_disk_before_it_changes_anything(
+    call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot runs before the call is checked: a full disk there refuses any mutating
+    call with ``QuotaExceeded`` and changes nothing; once space is back the call succeeds."""
+    fs = FaultFS(1, garble_probability=0.0, tear_probability=0.0, short_write_probability=0.0)
     fs.makedirs_durable("/r")
     with installed(fs):
         store = _fs_store()
         coord = Coordinator(store, exclusive_owner="o", clock=qh.Clock())
         coord.submit_tasks("submit", [TaskSpec(f"t{i}") for i in range(3)])
+        act = _mutating_calls(coord, store)[call]
         monkeypatch.setattr(coordinator_module, "JOURNAL_SNAPSHOT_BYTES_MIN", 1)
-        fs.fail_next("write", errno.ENOSPC, skip=skip)
-        acknowledged = False
-        try:
-            coord.submit_tasks("more", [TaskSpec("t3")])
-            acknowledged = True
-        except (QuotaExceeded, IndeterminateCommit):
-            pass
-        fs.disarm()
-        if not acknowledged:
-            with contextlib.suppress(UnsafeRecovery):  # stopped (J3): reopened below
-                coord.submit_tasks("more", [TaskSpec("t3")])
-                acknowledged = True
-        with contextlib.suppress(StorageUnavailable):
-            coord.close()
-        with Coordinator(store, exclusive_owner="o", recover=True, clock=qh.Clock()) as again:
-            tasks = sorted(again.tasks)
-            assert tasks[:3] == ["t0", "t1", "t2"]
-            assert tasks in (["t0", "t1", "t2"], ["t0", "t1", "t2", "t3"])
-            assert tasks[-1] == "t3" or not acknowledged
+        before, files = qh.observe(coord), _fs_files(fs, coord.directory)
+        fs.fail_next("write", errno.ENOSPC)
+        with pytest.raises(QuotaExceeded, match="writing a snapshot"):
+            act()
+        assert not fs.disarm(), "the snapshot met the full disk"
+        assert qh.observe(coord) == before
+        assert _fs_files(fs, coord.directory) == files
+        act()  # space again: the snapshot and the call go through
+        coord.close()
 
 
 @pytest.mark.parametrize(
