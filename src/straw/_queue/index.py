@@ -2,11 +2,13 @@
 
 Backed by a sorted list, so taking the next task, inserting and removing cost
 O(log n) whatever the number of pending tasks (API.md section 7: acquire must
-not scan).
+not scan), and taking by id prefix costs O(count) when most pending tasks carry
+the prefix.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 
 from sortedcontainers import SortedList
@@ -58,17 +60,45 @@ class PendingIndex:
         return [key[3] for key in self._order.islice(0, count)]
 
     def with_prefix(self, prefix: str, count: int) -> list[str]:
-        """The first ``count`` pending tasks whose id starts with ``prefix``, in acquisition order."""
+        """The first ``count`` pending tasks whose id starts with ``prefix``, in acquisition order.
+
+        Usually nearly every pending task carries the prefix (a rollout queue's prompt
+        tasks), so the acquisition order is walked and the walk stops after ``count``
+        matches: O(count) however many tasks are pending. The walk is bounded by how dense
+        the prefix is; past that bound (a rare prefix) the matching tasks are ranked by id
+        range instead, O(matches).
+        """
         if not prefix:
             return self.first(count)
+        if count <= 0:
+            return []
         start = self._by_id.bisect_left(prefix)
-        keys = []
+        matching = self._prefix_count(prefix, start)
+        if matching == 0:
+            return []
+        budget = 4 * count * (len(self._keys) // matching + 1)
+        found: list[str] = []
+        for key in self._order.islice(0, budget):
+            if key[3].startswith(prefix):
+                found.append(key[3])
+                if len(found) == count:
+                    return found
+        if len(found) == matching or budget >= len(self._keys):
+            return found
+        ranked = heapq.nsmallest(count, (self._keys[t] for t in self._by_id.islice(start, start + matching)))
+        return [key[3] for key in ranked]
+
+    def _prefix_count(self, prefix: str, start: int) -> int:
+        """How many pending ids start with ``prefix`` (``start``: where the first would be)."""
+        last = ord(prefix[-1])
+        if last < 0x10FFFF:  # every id with the prefix sorts below the prefix with its last char + 1
+            return int(self._by_id.bisect_left(prefix[:-1] + chr(last + 1))) - start
+        found = 0
         for task_id in self._by_id.islice(start):
             if not task_id.startswith(prefix):
                 break
-            keys.append(self._keys[task_id])
-        keys.sort()
-        return [key[3] for key in keys[:count]]
+            found += 1
+        return found
 
     def ordered(self) -> Iterator[str]:
         return (key[3] for key in self._order)

@@ -253,12 +253,13 @@ def unpack_payload(value: Any) -> Any:
 def load_groups(value: Any) -> list[Any]:
     """The groups a (reference to a) list of group references names, loaded, nesting kept.
 
-    A group whose payload is itself a list of references is expanded in place. Samples of
+    A reference whose payload is itself a reference is followed; a group whose payload is
+    itself a list of references is expanded in place. Samples of
     a :class:`RolloutGroupRef` with a receipt are marked accepted: ``_queue_receipt`` is
     the receipt (as a dict), ``_queue_lease`` is dropped, ``_queue_source_positions`` comes
     from the reference when it has them.
     """
-    items = value.load() if isinstance(value, DiskPayloadRef) else value
+    items = unpack_payload(value)  # a reference to a reference (an accepted manifest) unwraps too
     if not isinstance(items, (list, tuple)):
         raise TypeError(f"load_groups takes a list of groups or group references, got {type(items).__name__}")
     groups: list[Any] = []
