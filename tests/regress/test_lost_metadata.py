@@ -20,6 +20,8 @@ Now it is checked against the identity the journal recorded and written again.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -273,4 +275,53 @@ def test_a_lost_queue_json_is_checked_against_the_journal_and_written_again(tmp_
     with pytest.raises(UnsafeRecovery, match="journal"):
         Coordinator(store, exclusive_owner=OWNER, recover=True)
     assert "journal.missing" in {f.code for f in check_pool(root).findings}
+    store.close()
+
+
+# --------------------------------------------------------------------------- a queue born half-way
+
+
+# A coordinator process that dies (os._exit, as a kill would) right after recording its owner.
+DIE_AFTER_OWNER = """
+import os, sys
+from straw.backend import FilesystemBackend
+from straw.coordinator import Coordinator
+from straw.store import SharedFilesystemStore
+armed = []
+def fault(phase):
+    if armed and phase == "after_catalog_sync":
+        os._exit(3)
+root = sys.argv[1]
+store = SharedFilesystemStore(root, sys.argv[2], backend=FilesystemBackend(root, fault=fault))
+armed.append(True)
+Coordinator(store, exclusive_owner=sys.argv[3])
+os._exit(0)
+"""
+
+
+def test_a_coordinator_that_died_between_its_owner_and_queue_json_is_no_lost_queue(tmp_path: Path) -> None:
+    """J1 writes segment 1, then the queue's owner, then ``queue.json``. A coordinator that died
+    after the owner (found by the full crash campaign: ``after_catalog_sync`` #3) left a catalog
+    owner check cannot name without ``queue.json``: that is not ``queue.lost``. Recovery writes
+    ``queue.json`` and serves; the same directory with its journal removed is still refused."""
+    root = tmp_path / "pool"
+    died = subprocess.run(
+        [sys.executable, "-c", DIE_AFTER_OWNER, str(root), RUN, OWNER], capture_output=True, timeout=60
+    )
+    assert died.returncode == 3, died.stderr
+    assert not (root / "queue" / "queue.json").exists() and list((root / "queue" / "wal").iterdir())
+    report = check_pool(root)
+    store = SharedFilesystemStore(root, RUN)
+    assert report.ok and "queue.no_identity" in {f.code for f in report.findings}, report.findings
+    with Coordinator(store, exclusive_owner=OWNER, recover=True, clock=qh.Clock()) as coord:
+        coord.submit_tasks("submit", [TaskSpec("t0")])
+        receipt = qh.work_one(coord, "w")
+    assert (root / "queue" / "queue.json").exists() and check_pool(root).ok
+    # Its files removed later (the directory kept): the owner is lost, and both say so.
+    for child in (root / "queue").iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    assert "queue.lost" in {f.code for f in check_pool(root).findings}
+    with pytest.raises(UnsafeRecovery, match="abandon_lost_queue=True"):
+        Coordinator(store, exclusive_owner=OWNER, recover=True)
+    assert [r.record_id for r in store.read(receipt.result_ref)] == ["out-t0"]
     store.close()

@@ -37,7 +37,7 @@ class QueueView:
     granted: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)  # -> (seq, deadline)
     newest_deadline: float | None = None
     problems: list[tuple[str, str, str, str]] = field(default_factory=list)
-    unidentified: bool = False  # a journal without queue.json: its owner cannot be named
+    unidentified: bool = False  # a journal (even one of no frames) without queue.json: no owner name
 
     @property
     def run_id(self) -> str | None:
@@ -82,6 +82,11 @@ def _identity(root: str, view: QueueView) -> None:
                 f"{relative} is missing (a queue that never served a call)",
             )
         )
+        # J1: segment 1 exists before the owner is recorded, and queue.json only after it. A
+        # coordinator that died in between left this directory's owner in the catalog, under a
+        # name check cannot compute without queue.json (recovery writes queue.json again).
+        if scan.listing(os.path.join(root, view.directory, scan.WAL_DIR), ".wal"):
+            view.unidentified = True
         return
     except Exception as error:
         view.problems.append(("queue.identity", "error", relative, f"{relative} cannot be read ({error})"))
