@@ -136,7 +136,7 @@ class Coordinator:
         self._broken: BaseException | None = None
         self._closed = False
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
-        store._ensure_catalog()  # I17: before the queue directory exists
+        store._ensure_catalog()  # I20: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
             self._lock_fd = self._take_lock()
@@ -198,7 +198,7 @@ class Coordinator:
         }
 
     def _open(self, recover: bool) -> QueueState:
-        """J1/J4: a new queue where nothing of an earlier one exists, else recovery (I18)."""
+        """J1/J4: a new queue where nothing of an earlier one exists, else recovery (I21)."""
         identity_path = os.path.join(self.directory, IDENTITY_FILE)
         has_identity = posix.exists(identity_path)
         has_journal = self._journal.exists()
@@ -218,12 +218,12 @@ class Coordinator:
             state = self._create(identity_path, limits)
         self._state = state
         # J4.5: a new epoch, durable before serving, revokes every lease of the old one. It
-        # records the identity too, so a lost queue.json can be checked and rewritten (I18).
+        # records the identity too, so a lost queue.json can be checked and rewritten (I21).
         self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1, "identity": self._identity()})
         return state
 
     def _refuse_lost(self, has_identity: bool) -> None:
-        """I18: no journal here. A fresh queue may start only if nothing of an earlier one is left
+        """I21: no journal here. A fresh queue may start only if nothing of an earlier one is left
         (its ``queue.json``, or its owner in the catalog), or with ``abandon_lost_queue=True``."""
         traces = []
         if has_identity:
@@ -240,7 +240,7 @@ class Coordinator:
         )
 
     def _create(self, identity_path: str, limits: Mapping[str, int]) -> QueueState:
-        """J1: segment 1, then the owner, then ``queue.json``: each one proves the one before (I18)."""
+        """J1: segment 1, then the owner, then ``queue.json``: each one proves the one before (I21)."""
         self._journal.create_dirs(str(self.backend.root))
         self._journal.start_segment()
         # The owner exists from the start (an empty add), so a catalog that lost it is told
@@ -259,7 +259,7 @@ class Coordinator:
         return new_state(self.store.run_id, self.queue_id, limits)
 
     def _recover(self, identity_path: str, has_identity: bool, limits: Mapping[str, int]) -> QueueState:
-        """J4, I18: replay the journal; the identity must agree with ``queue.json`` and with what
+        """J4, I21: replay the journal; the identity must agree with ``queue.json`` and with what
         the journal recorded, and the catalog must know the queue's owner."""
         if has_identity:
             self._check_identity(identity_path, self._read_identity(identity_path))
@@ -447,7 +447,7 @@ class Coordinator:
         """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
         self._journal.wait(self._journal.last_seq)
         body = state_to_dict(self._state)
-        body["identity"] = self._identity()  # I18: what queue.json says, kept where replay finds it
+        body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
         self._journal.write_snapshot(encode(body))
 
     def _new_id(self) -> str:

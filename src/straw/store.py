@@ -807,7 +807,7 @@ class SharedFilesystemStore:
     # -- lifetime (API.md sections 5 and 8; docs/GC.md) ----------------------------------------
 
     def _ensure_catalog(self) -> None:
-        """I17: the pool's catalog exists before this store creates anything under ``raw/``
+        """I20: the pool's catalog exists before this store creates anything under ``raw/``
         (and a coordinator before its queue directory), so a pool that holds writers or
         queues but no catalog has lost it, and every catalog call then fails closed."""
         if self._catalog_ready:

@@ -124,7 +124,7 @@ def test_a_catalog_cut_short_or_older_than_its_queue_refuses_collection(tmp_path
     with SharedFilesystemStore(root, RUN) as reader, pytest.raises(CorruptData, match="cut short"):
         reader.collect_garbage()
     assert not check_pool(root).ok
-    # An older copy put back: it does not know the queue's owner (I17).
+    # An older copy put back: it does not know the queue's owner (I20).
     log.write_bytes(old_copy)
     report = check_pool(root)
     assert "catalog.lost_owner" in {f.code for f in report.findings} and not report.ok

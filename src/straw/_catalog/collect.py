@@ -127,7 +127,7 @@ def queue_directories(root: str) -> list[str]:
 
 
 def _check_queue_owners(root: str, state: CatalogState) -> None:
-    """I17: every queue's owner is in the catalog (coordinators record it before ``queue.json``).
+    """I20: every queue's owner is in the catalog (coordinators record it before ``queue.json``).
 
     One that is not proves the catalog is shorter than what the pool holds (a truncated or
     older copy): collecting from it could delete what the lost events retained.

@@ -145,7 +145,7 @@ class Catalog:
         self._finish(end, self._offset + end.offset, size)
 
     def _missing(self) -> None:
-        """No log: create it in a pool that never had one, refuse in one that must have (I17)."""
+        """No log: create it in a pool that never had one, refuse in one that must have (I20)."""
         if posix.exists(self.snapshot_path):
             raise CorruptData(f"{self.path} is missing but a catalog snapshot exists; run `straw check`")
         found = traces(str(self.backend.root))
@@ -307,7 +307,7 @@ def describe(state: CatalogState) -> dict[str, Any]:
 def traces(root: str) -> str:
     """What in a pool proves it had a catalog ("" if nothing): a writer's directory under
     ``raw/`` or a queue directory. Stores and coordinators make the catalog exist before they
-    create either (I17), so either one without a catalog means the catalog was lost."""
+    create either (I20), so either one without a catalog means the catalog was lost."""
     try:
         writers = [n for n in posix.listdir(os.path.join(root, "raw")) if not n.startswith(".")]
     except (FileNotFoundError, NotADirectoryError):

@@ -25,7 +25,7 @@ RECORDS_ONLY = -1
 
 def queue_owner(run_id: str, relative_directory: str) -> str:
     """The catalog owner holding a queue's roots (docs/GC.md "Queue roots"): the coordinator,
-    collection's cross-check (I17) and ``straw check`` all name it this way."""
+    collection's cross-check (I20) and ``straw check`` all name it this way."""
     return "queue:" + digest([run_id, relative_directory])[:32]
 
 

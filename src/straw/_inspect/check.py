@@ -285,7 +285,7 @@ def _owner_findings(pool: Pool) -> list[Finding]:
 
 
 def _queue_owner_findings(pool: Pool) -> list[Finding]:
-    """I17, I18: every queue's owner is in the catalog, and every queue owner has its queue."""
+    """I20, I21: every queue's owner is in the catalog, and every queue owner has its queue."""
     state = pool.catalog.state
     if not pool.catalog.complete or not pool.catalog.present:
         return []

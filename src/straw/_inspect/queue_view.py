@@ -192,7 +192,7 @@ def _replay(view: QueueView) -> None:
 
 
 def _compare_identity(view: QueueView, recorded: Any) -> None:
-    """I18: queue.json must say what the journal last recorded (recovery refuses otherwise)."""
+    """I21: queue.json must say what the journal last recorded (recovery refuses otherwise)."""
     identity = view.identity or {}
     if not isinstance(recorded, dict):
         return

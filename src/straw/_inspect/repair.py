@@ -6,7 +6,7 @@ the pool stopped (their locks are held for the length of the repair), and
 neither can make data collectable that an owner needed:
 
 * ``rebuild_catalog``: for a pool whose catalog is missing, damaged or shorter
-  than what the pool proves existed (I17). The old files are kept beside the
+  than what the pool proves existed (I20). The old files are kept beside the
   new log (``catalog/*.lost-<n>``). The new catalog records every queue's owner
   with exactly its current roots (read from its journal, as ``collect_garbage``
   computes them) and makes every operator-listed owner reach **every** pack on
