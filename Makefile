@@ -45,11 +45,12 @@ fmt: $(STAMP)
 slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
-# Verification campaigns (issue 6); each runs its long variants, which `make test` samples.
+# Verification campaigns (issues 6 and 11); each runs its long variants, which `make test` samples.
 # The full crash campaign: every byte prefix and bit flip of the last journal/catalog frame,
-# an abrupt exit at every named durable phase.
+# an abrupt exit at every named durable phase; and the full damage campaign: every metadata
+# file of a pool deleted, cut, flipped and replaced by a link, at several positions.
 crash: $(STAMP)
-	STRAW_CRASH_FULL=1 $(BIN)/python -m pytest tests/test_crash_campaign.py -m "slow or not slow"
+	STRAW_CRASH_FULL=1 $(BIN)/python -m pytest tests/test_crash_campaign.py tests/test_damage_campaign.py -m "slow or not slow"
 
 # The seeded simulation on the in-memory fault-injecting filesystem: `make sim SEEDS=1000`.
 SEEDS ?= 200

@@ -34,7 +34,9 @@ from .errors import (
     IdempotencyConflict,
     IndeterminateCommit,
     InvalidReference,
+    QueueError,
     ResourceLimitExceeded,
+    UnsafeRecovery,
     UnsupportedSchema,
     WriterBusy,
     invariant,
@@ -343,10 +345,25 @@ def _flat_view(payload: object, record_id: str) -> memoryview:
     return view.cast("B")
 
 
+def _check_root(root: object) -> None:
+    """A pool root is a non-empty path: ``""`` would make a pool in the current directory."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path, got {type(root).__name__}")
+    text = os.fspath(root)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"root must name the pool's directory, got {text!r}")
+
+
 def _check_text(value: object, what: str, limit: int) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if len(value.encode("utf-8")) > limit:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}"[:300])
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} is not valid Unicode text (a lone surrogate at character {error.start})"
+        ) from None
+    if size > limit:
         raise ResourceLimitExceeded(f"{what} is longer than {limit} bytes")
     return value
 
@@ -390,6 +407,7 @@ class SharedFilesystemStore:
         online_gc: bool = False,
     ) -> None:
         self.run_id = _check_text(run_id, "run_id", RUN_ID_BYTES_MAX)
+        _check_root(root)
         if backend is None:
             backend = FilesystemBackend(root)
         elif os.path.abspath(os.fspath(root)) != str(backend.root):
@@ -401,8 +419,14 @@ class SharedFilesystemStore:
         for name, value in (("max_record_bytes", max_record_bytes), ("max_buffer_bytes", max_buffer_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(segment_target_bytes, int) or segment_target_bytes < 0:
-            raise ValueError(f"segment_target_bytes must be >= 0, got {segment_target_bytes!r}")
+        if (
+            not isinstance(segment_target_bytes, int)
+            or isinstance(segment_target_bytes, bool)
+            or segment_target_bytes < 0
+        ):
+            raise ValueError(
+                f"segment_target_bytes must be a non-negative integer, got {segment_target_bytes!r}"
+            )
         self.max_record_bytes = max_record_bytes
         self.max_buffer_bytes = max_buffer_bytes
         #: Records (manifests included) one write may hold; callers that split large batches
@@ -415,6 +439,9 @@ class SharedFilesystemStore:
         self._open_pool()
         self._writer = PackWriter(backend, self.run_id, self.writer_id, segment_target_bytes)
         self._catalog = Catalog(backend)
+        self._catalog_ready = False
+        with contextlib.suppress(QueueError):
+            self._ensure_catalog()  # early, where it can; a failure here is met again at the first write
         if self.online_gc:
             # docs/GC.md: with online GC the writer records every sealed pack and its extents,
             # so released data becomes collectable while the writer still lives.
@@ -695,6 +722,7 @@ class SharedFilesystemStore:
             pending = self._pending
             if pending is not None:
                 return cast(R, self._resolve_pending(pending, submission_id, remembered))
+            self._ensure_catalog()
             try:
                 segment = self._writer.write(entries, submission_id, manifests)
             except CommitUncertain as uncertain:
@@ -777,6 +805,22 @@ class SharedFilesystemStore:
                 self._catalog.close()
 
     # -- lifetime (API.md sections 5 and 8; docs/GC.md) ----------------------------------------
+
+    def _ensure_catalog(self) -> None:
+        """I20: the pool's catalog exists before this store creates anything under ``raw/``
+        (and a coordinator before its queue directory), so a pool that holds writers or
+        queues but no catalog has lost it, and every catalog call then fails closed."""
+        if self._catalog_ready:
+            return
+        if not posix.exists(self._catalog.path):
+            try:
+                with self._catalog.locked():
+                    pass  # creates the log in a pool that never had one
+            except UnsafeRecovery:
+                # The pool lost its catalog: nothing here may recreate it (that would drop every
+                # owner). Writing new packs stays possible; every catalog call fails closed.
+                return
+        self._catalog_ready = True
 
     def _record_seal(self, relative: str, extents: dict[int, list[int]]) -> None:
         with self._catalog.locked() as catalog:
@@ -991,9 +1035,12 @@ class SharedFilesystemStore:
 
     def explain(self, pack: str) -> dict[str, Any]:
         """Why a pack (``raw/<writer>/<segment>.pack``) is kept: its owners, seal and staging."""
+        if not isinstance(pack, str):
+            raise TypeError(f"explain takes a pool-relative pack path, got {type(pack).__name__}")
+        path = self.backend.resolve(pack)  # refuses empty, absolute and escaping paths first
         with self._catalog.locked() as catalog:
             answer = catalog.state.why(pack)
-        answer["exists"] = posix.exists(self.backend.resolve(pack))
+        answer["exists"] = posix.exists(path)
         return answer
 
     def owners(self, prefix: str = "") -> list[str]:
@@ -1010,6 +1057,12 @@ class SharedFilesystemStore:
     def _owned(self, owner: str) -> set[str]:
         with self._catalog.locked() as catalog:
             return set(catalog.state.owners.get(owner, set()))
+
+    def _owner_packs(self, owner: str) -> set[str] | None:
+        """The packs ``owner`` reaches, or None when the catalog does not know it."""
+        with self._catalog.locked() as catalog:
+            packs = catalog.state.owners.get(owner)
+            return set(packs) if packs is not None else None
 
     # -- reading -----------------------------------------------------------------------------
 
