@@ -157,6 +157,7 @@ def start_ray(object_store: int) -> Any:
     import ray
 
     ray.init(
+        address="local",  # always a private instance, never a cluster another process started
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         num_cpus=16,
