@@ -42,6 +42,7 @@ from .errors import (
     invariant,
 )
 from .limits import (
+    ADOPTIONS_PENDING_MAX,
     BUFFER_BYTES_MAX_DEFAULT,
     CODEC_NAME_BYTES_MAX,
     DEPENDENCIES_MAX,
@@ -449,6 +450,10 @@ class SharedFilesystemStore:
         self._lock = threading.Lock()
         self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
         self._pending: _Pending | None = None
+        # Staging ends released with defer=True, written with this store's next catalog frame
+        # (docs/DURABILITY.md G6.2); guarded by its own lock, taken inside the catalog's.
+        self._deferred = Adoption()
+        self._deferred_lock = threading.Lock()
         self._local = threading.local()
         self._sessions: list[ReadSession] = []
         self._counts = {
@@ -796,7 +801,10 @@ class SharedFilesystemStore:
         """Seal and release the writer; reads through this object stay possible until GC."""
         with self._lock:
             try:
-                self._writer.close()
+                try:
+                    self._flush_deferred()  # G6.2; if it fails, the writer's death ends them (G5)
+                finally:
+                    self._writer.close()
             except OSError as error:
                 raise posix.storage_error(error, "closing the writer") from error
             finally:
@@ -824,9 +832,8 @@ class SharedFilesystemStore:
 
     def _record_seal(self, relative: str, extents: dict[int, list[int]]) -> None:
         with self._catalog.locked() as catalog:
-            catalog.append(
-                [{"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}]
-            )
+            seal = {"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}
+            catalog.append([seal, *self._take_deferred(catalog)])
 
     def validate_reach(
         self, ref: RecordSetRef, *, task_id: str, attempt_id: str, adoption: Adoption | None = None
@@ -923,13 +930,13 @@ class SharedFilesystemStore:
             events = [{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}]
             if adopted:
                 events += self._unstage_events(catalog, adopted)
-            catalog.append(events)
+            catalog.append(events + self._take_deferred(catalog))
 
     def _end_staging(self, adopted: Adoption) -> None:
         """Record that an owner took these publications over (docs/GC.md "Queue adoption")."""
         if adopted:
             with self._catalog.locked() as catalog:
-                catalog.append(self._unstage_events(catalog, adopted))
+                catalog.append(self._unstage_events(catalog, adopted) + self._take_deferred(catalog))
 
     @staticmethod
     def _unstage_events(catalog: Catalog, adopted: Adoption) -> list[dict[str, Any]]:
@@ -940,6 +947,27 @@ class SharedFilesystemStore:
         events += [{"op": "release", "owner": o} for o in sorted(adopted.owners) if o in owners]
         return events
 
+    def _take_deferred(self, catalog: Catalog) -> list[dict[str, Any]]:
+        """G6.2: the staging ends released with ``defer=True`` so far, as events of the frame
+        being written (with the catalog lock held). Items of packs already tombstoned are
+        dropped: an owner took them over and they were collected, nothing is staged there.
+        If that frame fails, they are lost, which retains too much, never too little."""
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, Adoption()
+        if not deferred:
+            return []
+        gone = catalog.state.tombstones
+        deferred.items = {item for item in deferred.items if item[0] not in gone}
+        return self._unstage_events(catalog, deferred)
+
+    def _flush_deferred(self) -> None:
+        """Write the deferred staging ends now (before this store reads the catalog's state)."""
+        with self._deferred_lock:
+            if not self._deferred:
+                return
+        with self._catalog.locked() as catalog:
+            catalog.append(self._take_deferred(catalog))
+
     def _reach_live(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
         """``reach``, but data already collected is named as such (not as "not visible")."""
         items = list(refs)
@@ -947,6 +975,7 @@ class SharedFilesystemStore:
             if not isinstance(ref, (RecordSetRef, RecordRef)):
                 raise TypeError(f"expected a RecordSetRef or RecordRef, got {type(ref).__name__}")
         direct = {r.manifest.segment.path if isinstance(r, RecordSetRef) else r.segment.path for r in items}
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             gone = sorted(direct & catalog.state.tombstones)
         if gone:
@@ -966,7 +995,7 @@ class SharedFilesystemStore:
         with self._catalog.locked() as catalog:
             if owner not in catalog.state.owners:
                 raise KeyError(f"unknown owner {owner!r}: it was never retained or is already released")
-            catalog.append([{"op": "release", "owner": owner}])
+            catalog.append([{"op": "release", "owner": owner}, *self._take_deferred(catalog)])
 
     def _staging_owner(self, writer: str, submission_id: str, ordinal: int) -> str:
         return f"staging:{writer}:{digest(submission_id)[:32]}:{ordinal}"
@@ -987,15 +1016,20 @@ class SharedFilesystemStore:
                 if gone:
                     raise InvalidReference(f"a dependency in {gone[0]} was garbage-collected; republish it")
                 events.append({"op": "retain", "owner": owner, "packs": sorted(packs)})
-            catalog.append(events)
+            catalog.append(events + self._take_deferred(catalog))
 
-    def release_publications(self, refs: Iterable[RecordSetRef]) -> None:
+    def release_publications(self, refs: Iterable[RecordSetRef], *, defer: bool = False) -> None:
         """End the staging of publications (they stay alive only through owners from now on).
 
         Records written by ``write_records`` stay staged with their writer (another record
-        set may still name them); see docs/GC.md.
+        set may still name them); see docs/GC.md. With ``defer=True`` the end is written with
+        this store's next catalog frame instead of one of its own (docs/DURABILITY.md G6.2):
+        for publications an owner has already taken over, whose staging only makes them
+        collectable a little sooner.
         """
-        session = self._session()
+        # It returns no bytes, so, like completion validation, it may trust the index frames
+        # this process wrote (docs/DURABILITY.md D5): a writer releases what it just wrote.
+        session = self._session(shared=True)
         items: set[tuple[str, int, int]] = set()
         owners: set[str] = set()
         for ref in refs:
@@ -1008,11 +1042,19 @@ class SharedFilesystemStore:
             owners.add(
                 self._staging_owner(writer_of(segment.path), index.submission_id, ref.manifest.ordinal)
             )
-        if items:
-            with self._catalog.locked() as catalog:
-                events: list[dict[str, Any]] = [{"op": "unstage", "items": [list(x) for x in sorted(items)]}]
-                events += [{"op": "release", "owner": o} for o in sorted(owners) if o in catalog.state.owners]
-                catalog.append(events)
+        if not items:
+            return
+        if defer:
+            with self._deferred_lock:
+                self._deferred.update(Adoption(items, owners))
+                due = len(self._deferred.items) + len(self._deferred.owners) >= ADOPTIONS_PENDING_MAX
+            if due:
+                self._flush_deferred()
+            return
+        with self._catalog.locked() as catalog:
+            events: list[dict[str, Any]] = [{"op": "unstage", "items": [list(x) for x in sorted(items)]}]
+            events += [{"op": "release", "owner": o} for o in sorted(owners) if o in catalog.state.owners]
+            catalog.append(events + self._take_deferred(catalog))
 
     @contextlib.contextmanager
     def pin(self, refs: Iterable[RecordSetRef | RecordRef], *, owner: str | None = None) -> Iterator[str]:
@@ -1027,6 +1069,7 @@ class SharedFilesystemStore:
     def collect_garbage(self) -> dict[str, Any]:
         """Reclaim sealed packs that no owner reaches and whose staging is over (G4, G5)."""
         try:
+            self._flush_deferred()
             return gc.collect(
                 self._catalog, self.backend, self.writer_id if not self._writer.closed else None
             )
@@ -1038,6 +1081,7 @@ class SharedFilesystemStore:
         if not isinstance(pack, str):
             raise TypeError(f"explain takes a pool-relative pack path, got {type(pack).__name__}")
         path = self.backend.resolve(pack)  # refuses empty, absolute and escaping paths first
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             answer = catalog.state.why(pack)
         answer["exists"] = posix.exists(path)
@@ -1051,10 +1095,12 @@ class SharedFilesystemStore:
         """
         if not isinstance(prefix, str):
             raise TypeError(f"owners() takes a text prefix, got {type(prefix).__name__}")
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             return sorted(name for name in catalog.state.owners if name.startswith(prefix))
 
     def _owned(self, owner: str) -> set[str]:
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             return set(catalog.state.owners.get(owner, set()))
 
