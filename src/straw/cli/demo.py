@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward-log", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--token-seconds", type=float, default=d.token_seconds, help=argparse.SUPPRESS)
     parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ray-address", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -107,11 +108,11 @@ def run(options: argparse.Namespace) -> int:
         print(f"straw demo: {error}", file=sys.stderr)
         return 2
     if options.child:
-        return _child(settings)
+        return _child(settings, options)
     return _supervise(settings, options)
 
 
-def _child(settings: Any) -> int:
+def _child(settings: Any, options: argparse.Namespace) -> int:
     """The job itself: events on stdout, everything else (logging) on stderr."""
     import logging
 
@@ -125,7 +126,7 @@ def _child(settings: Any) -> int:
     if settings.distributed:
         from straw.cli.demo_cluster import RayBackend
 
-        run_job(settings, emit, RayBackend(settings.nodes))
+        run_job(settings, emit, RayBackend(settings.nodes, address=options.ray_address))
     else:
         run_job(settings, emit, LocalBackend())
     return 0
@@ -161,6 +162,8 @@ def _argv(options: argparse.Namespace) -> list[str]:
         argv.append("--online-gc")
     if options.local:
         argv.append("--local")
+    if options.ray_address:
+        argv += ["--ray-address", options.ray_address]
     return argv
 
 

@@ -64,6 +64,19 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
         cluster.shutdown()  # type: ignore[no-untyped-call]
 
 
+@contextmanager
+def connected(address: str) -> Iterator[Any]:
+    """Connected to the Ray cluster at ``address`` (on 127.0.0.1), disconnected afterwards."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # as in local_ray_cluster
+    import ray
+
+    ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
 class BoardActor:
     """The weight board as a Ray actor: ``post`` from the driver, ``current`` from the generators."""
 
@@ -128,10 +141,14 @@ class RayGeneration:
 class RayBackend:
     """The demo's parts on a local Ray cluster (see the module docstring)."""
 
-    def __init__(self, nodes: int) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: int, address: str | None = None) -> None:
         self._stack = ExitStack()
-        self.ray = self._stack.enter_context(local_ray_cluster(nodes))
+        if address is None:
+            self.ray = self._stack.enter_context(local_ray_cluster(nodes))
+            self.nodes = nodes
+        else:  # an existing cluster (the tests share one): its nodes are the job's
+            self.ray = self._stack.enter_context(connected(address))
+            self.nodes = sum(1 for n in self.ray.nodes() if n.get("Alive"))
 
     def ranks(self, settings: DemoSettings) -> Ranks:
         actor = self.ray.remote(num_cpus=1, max_restarts=0)(TrainerRank)

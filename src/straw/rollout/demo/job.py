@@ -320,7 +320,13 @@ class LocalGeneration:
         self.runner.resume_admission(was_paused)
 
     def close(self) -> None:
-        self.runner.close()
+        # Drain first (everything in flight becomes durable and the worker idles), then stop the
+        # engine loop from this thread while the worker's event loop still runs, then the runner.
+        try:
+            self.runner.pause(drain=True)
+            self.generator.close()
+        finally:
+            self.runner.close()
 
 
 # --------------------------------------------------------------------------- backends
