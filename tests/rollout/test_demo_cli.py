@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("ray")
 pytest.importorskip("matplotlib")
 
-from straw.cli import main  # noqa: E402
+from straw.cli import main
 
 #: Bound on the whole demo run (cluster start, steps, shutdown).
 DEMO_TIMEOUT_S = 300

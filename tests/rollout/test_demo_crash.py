@@ -34,7 +34,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("rich")
 
-from straw.cli.demo import EVENT_PREFIX, kill_session  # noqa: E402
+from straw.cli.demo import EVENT_PREFIX, kill_session
 
 pytestmark = pytest.mark.crash
 
@@ -65,10 +65,11 @@ def run_child(root: Path, steps: int, kill_after: float | None) -> tuple[list[di
     committed = threading.Event()
 
     def killer() -> None:
-        if committed.wait(RUN_TIMEOUT_S) and kill_after is not None and child.poll() is None:
-            if not killed_early.wait(kill_after):  # an Event as a bounded, wakeable timer
-                killed.set()
-                kill_session(child)
+        ready = committed.wait(RUN_TIMEOUT_S) and kill_after is not None and child.poll() is None
+        # An Event as a bounded, wakeable timer: the run may end (and wake it) first.
+        if ready and kill_after is not None and not killed_early.wait(kill_after):
+            killed.set()
+            kill_session(child)
 
     killed_early = threading.Event()
     thread = threading.Thread(target=killer, daemon=True)
