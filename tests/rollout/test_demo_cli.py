@@ -50,7 +50,7 @@ def test_the_demo_runs_end_to_end_and_writes_its_plot_and_summary(tmp_path: Path
     events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step"]
     assert [e["weight_version"] for e in steps] == [1, 2, 3]  # one publication per step
-    assert [e["checkpoint"] for e in steps] == [True, False, True]
+    assert [e["checkpoint"] for e in steps] == [True, False, True]  # every 2nd, and the last
     assert all(e["rows_per_rank"] == 4 for e in steps)  # 2 prompts x 4 samples over 2 ranks
     assert (root / "save" / "rollout" / "committed_2.json").exists()
     assert (root / "prompts.jsonl").exists() and any((root / "pool").rglob("*.pack"))

@@ -173,3 +173,10 @@ def test_the_demo_kills_and_restarts_itself_at_a_step(tmp_path: Path) -> None:
     assert summary["steps"] == 4 and summary["restarts"] == 1
     assert summary["recovered"][0]["mode"] == "rollback"
     assert time.monotonic() - started < RUN_TIMEOUT_S
+    again = subprocess.run(
+        [sys.executable, "-m", "straw.cli", "demo", "--local", "--engine", "copy", "--dir", str(root),
+         "--steps", "4", "--save-interval", "2", "--prompts-per-step", "4", "--samples-per-prompt", "2"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to train" in again.stdout  # the last step was checkpointed too

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save", default=None, help="the job's save directory (default <dir>/save)")
     parser.add_argument("--online-gc", action="store_true", help="reclaim pool space while the job runs")
     parser.add_argument(
+        "--storage-declaration", default=None, metavar="FILE",
+        help="for a JuiceFS pool: JSON of the mount's verified settings; selects the juicefs profile",
+    )  # fmt: skip
+    parser.add_argument(
         "--kill-at-step", type=int, default=None, metavar="K",
         help="SIGKILL the whole job during step K (>= 1), restart it in place from its last checkpoint",
     )  # fmt: skip
@@ -96,6 +100,9 @@ def _settings(options: argparse.Namespace) -> Any:
         seed=options.seed,
         token_seconds=options.token_seconds,
         reward_log=os.path.abspath(options.reward_log) if options.reward_log else None,
+        storage_declaration=os.path.abspath(options.storage_declaration)
+        if options.storage_declaration
+        else None,
     )
 
 

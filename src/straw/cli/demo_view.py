@@ -130,6 +130,12 @@ class View:
         root = self.settings.root
         summary = self.summary(wall)
         (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        if not self.steps:
+            self.console.print(
+                f"nothing to train: the job in {root} has trained {self.settings.steps} steps already "
+                "(raise --steps to go on, or --fresh to start over)"
+            )
+            return summary
         self.console.print(self._table(summary))
         self.console.print(self._split(summary))
         if plot:

@@ -91,6 +91,7 @@ class DemoSettings:
     prefetch: int | None = None
     token_seconds: float = 0.001
     reward_log: str | None = None
+    storage_declaration: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "nodes", "prompts_per_step", "samples_per_prompt", "save_interval"):
@@ -149,6 +150,9 @@ def demo_config(settings: DemoSettings) -> RolloutConfig:
             save_interval=settings.save_interval,
             rollout_data_dir=str(settings.pool_dir),
             rollout_queue_online_gc=settings.online_gc,
+            # A JuiceFS pool: the mount's verified settings select the juicefs backend profile.
+            rollout_storage_profile="juicefs" if settings.storage_declaration else "local",
+            rollout_storage_declaration=settings.storage_declaration,
             prompt_data=str(settings.prompts),
             input_key="input",
             label_key="label",
@@ -492,7 +496,7 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
     metrics = job.ranks.train(refs)
     job.builder.training_completed(step)
     lap("train")
-    saved = step % settings.save_interval == 0
+    saved = step % settings.save_interval == 0 or step == settings.steps - 1
     if saved:
         save_checkpoint(
             config,
