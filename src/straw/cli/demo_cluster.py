@@ -134,6 +134,10 @@ class RayGeneration:
     def resume_admission(self, was_paused: bool = False) -> None:
         self.runner.resume_admission(was_paused)
 
+    def load_weights(self, version: int, ref: DiskPayloadRef) -> bool:
+        """Each worker's generator loads the posted weights itself, before its next group."""
+        return False
+
     def close(self) -> None:
         self.runner.close()
 

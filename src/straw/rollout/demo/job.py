@@ -278,6 +278,7 @@ class Generation(Protocol):
     def generate(self, rollout_id: int, *, prefetch: int = 0) -> Any: ...
     def pause_admission(self) -> bool: ...
     def resume_admission(self, was_paused: bool = False) -> None: ...
+    def load_weights(self, version: int, ref: DiskPayloadRef) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -322,6 +323,15 @@ class LocalGeneration:
 
     def resume_admission(self, was_paused: bool = False) -> None:
         self.runner.resume_admission(was_paused)
+
+    def load_weights(self, version: int, ref: DiskPayloadRef) -> bool:
+        """Load the posted weights into the engine now, while admission is paused (thread-safe)."""
+        inner = self.generator.inner
+        install = getattr(inner, "update_weights", None) or inner.load
+        install(ref.load(), str(version))  # PolicyGenerator.update_weights runs on its own loop
+        self.generator.version = max(self.generator.version, version)
+        self.generator.loads += 1
+        return True
 
     def close(self) -> None:
         # Drain first (everything in flight becomes durable and the worker idles), then stop the
@@ -510,6 +520,8 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
     serving = str(job.version)
     was_paused = job.generation.pause_admission()
     _publish_weights(job, job.version + 1)
+    if job.weights_ref is not None:  # in-process engines load now; remote ones before their next group
+        job.generation.load_weights(job.version, job.weights_ref)
     job.generation.resume_admission(was_paused)
     lap("sync")
     lags = [s for s in (staleness(g, serving) for g in groups) if s is not None]
