@@ -19,7 +19,7 @@ all: test
 # Re-install whenever pyproject.toml changes (dependencies, extras, entry points).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,torch,engines]'
+	$(BIN)/pip install -q -e '.[test,torch,engines,ray]'
 	touch $@
 
 test: $(STAMP)
