@@ -5,11 +5,12 @@
 
 - :func:`local_ray_cluster`: ``ray.cluster_utils.Cluster`` with ``nodes`` logical nodes of
   :data:`NODE_CPUS` CPUs each, every address on 127.0.0.1, no dashboard;
+- the job's controller in a 0-CPU actor on the driver's node (``controller_actor``), after
+  ``check_rollout_storage`` has seen the pool from every node;
 - the trainer ranks as Ray actors (1 CPU each, spread over the nodes);
-- the weight board as a named 0-CPU actor that every node's generator asks;
-- generation by ``straw.rollout.ray.DistributedRollout`` (one worker per node, each building
-  its engine with :func:`worker_generator`), or by an ``AsyncRollout`` in the driver when that
-  module is not installed.
+- generation by ``straw.rollout.ray.DistributedRollout``: one worker per node, each building
+  its engine with :func:`worker_generator`; new weights reach them as a pool reference
+  (``call_generators("load_posted", version, ref)``), never as tensors through Ray.
 """
 
 from __future__ import annotations
@@ -18,21 +19,20 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, cast
+from typing import Any
 
+from straw.rollout.checkpoint import RestorePlan
 from straw.rollout.config import RolloutConfig
 from straw.rollout.demo.engines import SyncedGenerator, WeightBoard
-from straw.rollout.demo.job import DemoSettings, LocalGeneration, Ranks, TrainerRank, inner_generator
+from straw.rollout.demo.job import DemoSettings, Ranks, TrainerRank, inner_generator
 from straw.rollout.refs import DiskPayloadRef
 
-__all__ = ["BOARD_ACTOR", "NODE_CPUS", "RAY_NAMESPACE", "RayBackend", "local_ray_cluster", "worker_generator"]
+__all__ = ["NODE_CPUS", "RAY_NAMESPACE", "RayBackend", "local_ray_cluster", "worker_generator"]
 
 log = logging.getLogger("straw.cli.demo_cluster")
 
-#: Name of the Ray actor that holds the newest weights (in namespace :data:`RAY_NAMESPACE`).
-BOARD_ACTOR = "straw-demo-weights"
 RAY_NAMESPACE = "straw-demo"
 #: Logical CPUs per Ray node: one generation worker and room for a trainer rank.
 NODE_CPUS = 2
@@ -77,40 +77,12 @@ def connected(address: str) -> Iterator[Any]:
         ray.shutdown()
 
 
-class BoardActor:
-    """The weight board as a Ray actor: ``post`` from the driver, ``current`` from the generators."""
-
-    def __init__(self) -> None:
-        self.board = WeightBoard(-1)
-
-    def post(self, version: int, ref: DiskPayloadRef | None) -> None:
-        self.board.post(version, ref)
-
-    def current(self) -> tuple[int, DiskPayloadRef | None]:
-        return self.board.current()
-
-
-class RemoteBoard:
-    """The driver's and the local generator's view of the board actor."""
-
-    def __init__(self, ray: Any, actor: Any) -> None:
-        self.ray, self.actor = ray, actor
-
-    def post(self, version: int, ref: DiskPayloadRef | None) -> None:
-        self.ray.get(self.actor.post.remote(version, ref))
-
-    def current(self) -> tuple[int, DiskPayloadRef | None]:
-        return cast("tuple[int, DiskPayloadRef | None]", self.ray.get(self.actor.current.remote()))
-
-
 def worker_generator(settings_values: dict[str, Any]) -> SyncedGenerator:
-    """Built on each generation worker: its engine, synced with the board actor."""
-    import ray
-
+    """Built on each generation worker: its engine, loading the weights the driver sends it."""
     settings = DemoSettings.from_dict(settings_values)
-    board = RemoteBoard(ray, ray.get_actor(BOARD_ACTOR, namespace=RAY_NAMESPACE))
     inner, load = inner_generator(settings)
-    return SyncedGenerator(inner, board.current, load, version=-1)
+    # Nothing to poll: the driver calls load_posted on every worker while admission is paused.
+    return SyncedGenerator(inner, lambda: (-1, None), load, version=-1)
 
 
 class RayGeneration:
@@ -123,6 +95,7 @@ class RayGeneration:
             source,
             factory,
             total_concurrency=settings.slots * settings.nodes * settings.samples_per_prompt,
+            weight_version=None,
         )
 
     def generate(self, rollout_id: int, *, prefetch: int = 0) -> Any:
@@ -135,8 +108,10 @@ class RayGeneration:
         self.runner.resume_admission(was_paused)
 
     def load_weights(self, version: int, ref: DiskPayloadRef) -> bool:
-        """Each worker's generator loads the posted weights itself, before its next group."""
-        return False
+        """Every worker loads the weights from the pool (admission is paused meanwhile)."""
+        self.runner.call_generators("load_posted", version, ref)
+        self.runner.set_weight_version(str(version))
+        return True
 
     def close(self) -> None:
         self.runner.close()
@@ -162,16 +137,19 @@ class RayBackend:
         ]
         return Ranks(handles, self.ray)
 
-    def board(self) -> RemoteBoard:
-        actor = self.ray.remote(num_cpus=0)(BoardActor).options(name=BOARD_ACTOR).remote()
-        return RemoteBoard(self.ray, actor)
+    def controller(self, config: RolloutConfig, plan: RestorePlan, dataset: Callable[[], Any]) -> Any:
+        """The job's controller in a 0-CPU actor on this node; every node's mount is probed first."""
+        from straw.rollout.ray import check_rollout_storage, controller_actor
+
+        check_rollout_storage(config)
+        return controller_actor(config, restore_plan=plan, dataset_factory=dataset)
+
+    def board(self) -> WeightBoard:
+        return WeightBoard(-1)  # the driver's record; workers get the weights by load_weights
 
     def generation(self, settings: DemoSettings, config: RolloutConfig, source: Any, board: Any) -> Any:
-        try:
-            from straw.rollout.ray import DistributedRollout  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:  # the distributed runner is not installed: generate in the driver
-            log.warning("straw.rollout.ray is unavailable; generating in the driver process")
-            return LocalGeneration(settings, config, source, board)
+        from straw.rollout.ray import DistributedRollout
+
         return RayGeneration(settings, config, source, DistributedRollout)
 
     def close(self) -> None:

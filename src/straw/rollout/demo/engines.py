@@ -2,11 +2,12 @@
 
 - :class:`WeightBoard` holds the newest published weights: a version and a
   :class:`~straw.rollout.refs.DiskPayloadRef` to the tensors in the pool. The driver posts to
-  it after each training step; generators read it. In one process it is a plain object; across
-  a Ray cluster the demo wraps it in a named actor (see ``straw.rollout.demo.job``).
-- :class:`SyncedGenerator` wraps a generator: before each call it asks its board for the
-  newest version and, when it is newer than the one it serves, loads those weights from the
-  pool (once per version, whichever call sees it first) and only then generates.
+  it after each training step.
+- :class:`SyncedGenerator` wraps a generator with the version it serves:
+  :meth:`~SyncedGenerator.load_posted` reads the weights a reference names from the pool and
+  installs them (once per version; the driver calls it, on every distributed worker too, while
+  admission is paused), and before each call it asks its ``current`` callable (a board's)
+  whether a newer version was posted meanwhile.
 - :class:`CopyEngine`: a fast fake engine for the copy task (no model): every sample produces
   the expected response token by token on an asyncio timer, with the rule reward, constant
   log-probs and zero routes; ``abort()`` keeps the tokens produced so far. The whole-job crash
@@ -108,20 +109,31 @@ class SyncedGenerator:
     async def sync(self) -> int:
         """Bring the served weights to the board's version; returns the version served."""
         loop = asyncio.get_running_loop()
+        version, ref = await loop.run_in_executor(None, self._current)
+        if version > self.version and ref is not None:
+            return await self.load_posted(version, ref)
+        return self.version
+
+    async def load_posted(self, version: int, ref: DiskPayloadRef) -> int:
+        """Load the weights ``ref`` names as ``version`` unless a newer one is served already.
+
+        Run in the generator's event loop (a distributed worker calls it there when the driver
+        asks); concurrent calls load once. Returns the version served afterwards.
+        """
+        loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._lock = loop, asyncio.Lock()
         lock = self._lock
         if lock is None:  # pragma: no cover - set just above
             raise RuntimeError("SyncedGenerator lost its event loop binding")
         async with lock:
-            version, ref = await loop.run_in_executor(None, self._current)
-            if version > self.version and ref is not None:
+            if int(version) > self.version:
                 weights = await loop.run_in_executor(None, ref.load)
                 done = self._load(weights, str(version))
                 if asyncio.iscoroutine(done):
                     await done
                 self.loads += 1
-            self.version = max(self.version, version)
+                self.version = int(version)
         return self.version
 
     def abort(self) -> None:
