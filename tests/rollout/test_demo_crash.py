@@ -143,17 +143,20 @@ def crash_and_resume(root: Path, seed: int) -> None:
     check_job(root, [events, restarted], steps)
 
 
+@pytest.mark.timeout(900)  # two child runs and straw check, each bounded by RUN_TIMEOUT_S
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_killed_demo_job_resumes_without_losing_or_repeating_work(tmp_path: Path, seed: int) -> None:
     crash_and_resume(tmp_path / "job", seed)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", range(3, 11))
 def test_a_killed_demo_job_resumes_more_seeds(tmp_path: Path, seed: int) -> None:
     crash_and_resume(tmp_path / "job", seed)
 
 
+@pytest.mark.timeout(900)
 def test_the_demo_kills_and_restarts_itself_at_a_step(tmp_path: Path) -> None:
     """``straw demo --kill-at-step``: the supervisor kills during the step and the job resumes."""
     root = tmp_path / "job"
