@@ -192,21 +192,30 @@ def session_processes(sid: int) -> list[int]:
 
 def kill_session(child: subprocess.Popen[str]) -> int:
     """SIGKILL every process of the child's session (the job's whole process tree)."""
-    killed = 0
+    killed: set[int] = set()
     deadline = time.monotonic() + KILL_WAIT_S
     while time.monotonic() < deadline:  # bounded: processes may fork while we kill
-        pids = session_processes(child.pid)
+        pids = [pid for pid in session_processes(child.pid) if pid not in killed or _alive(pid)]
         if not pids:
             break
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed.add(pid)
             except ProcessLookupError:
                 pass
-        child.poll()
+        child.poll()  # reap the direct child; the others are reaped by init
     child.wait(timeout=KILL_WAIT_S)
-    return killed
+    return len(killed)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a killed process lingers as a zombie until reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2 :].split()[0] != "Z"
 
 
 def _supervise(settings: Any, options: argparse.Namespace) -> int:
