@@ -65,6 +65,8 @@ log = logging.getLogger("straw.rollout.demo.job")
 
 Emit = Callable[[dict[str, Any]], None]
 
+#: Pack rotation target of the demo's pool, in MiB.
+DEMO_SEGMENT_MIB = 2
 #: Step time parts, in the order the loop runs them.
 PHASES = ("generate", "accept", "build", "train", "checkpoint", "sync")
 
@@ -150,6 +152,9 @@ def demo_config(settings: DemoSettings) -> RolloutConfig:
             save_interval=settings.save_interval,
             rollout_data_dir=str(settings.pool_dir),
             rollout_queue_online_gc=settings.online_gc,
+            # Small packs (straw's default target is 1 GiB), so that the pool's pack count moves
+            # and, with --online-gc, sealed packs nobody needs any more are reclaimed during the run.
+            rollout_queue_segment_mib=DEMO_SEGMENT_MIB,
             # A JuiceFS pool: the mount's verified settings select the juicefs backend profile.
             rollout_storage_profile="juicefs" if settings.storage_declaration else "local",
             rollout_storage_declaration=settings.storage_declaration,
