@@ -13,7 +13,8 @@ has trained every step. Afterwards, over the steps the final timeline trained:
   accepted task, and the hook never ran for that task's sample again;
 - ``straw check`` finds the pool clean.
 
-``make test`` runs two seeds; the ``slow`` marker runs more.
+``make test`` runs one seed (and ``--kill-at-step`` through the supervisor); the ``slow``
+marker runs nine more.
 """
 
 from __future__ import annotations
@@ -144,14 +145,14 @@ def crash_and_resume(root: Path, seed: int) -> None:
 
 
 @pytest.mark.timeout(900)  # two child runs and straw check, each bounded by RUN_TIMEOUT_S
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_a_killed_demo_job_resumes_without_losing_or_repeating_work(tmp_path: Path, seed: int) -> None:
     crash_and_resume(tmp_path / "job", seed)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", range(3, 11))
+@pytest.mark.parametrize("seed", range(2, 11))
 def test_a_killed_demo_job_resumes_more_seeds(tmp_path: Path, seed: int) -> None:
     crash_and_resume(tmp_path / "job", seed)
 
