@@ -12,14 +12,14 @@ PEER_PY ?= /work/peer/bin/python
 # Scenarios of ../shared/bench/bench_api.py to compare (a..g); see ../shared/bench/README.md.
 ONLY ?= --only ab
 
-.PHONY: all test demo lint typecheck fmt slow compare clean crash sim soak
+.PHONY: all test demo bench lint typecheck fmt slow compare clean crash sim soak
 
 all: test
 
 # Re-install whenever pyproject.toml changes (dependencies, extras, entry points).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,torch,engines]'
+	$(BIN)/pip install -q -e '.[test,torch,engines,ray,demo]'
 	touch $@
 
 test: $(STAMP)
@@ -29,6 +29,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)
+	$(BIN)/straw demo
+
+bench: $(STAMP)
 	$(BIN)/straw bench
 
 lint: $(STAMP)
