@@ -391,6 +391,7 @@ class DistributedRollout:
             sizes = [int(r["dataset_size"]) for r in ready]
             if any(size != len(source) for size in sizes):
                 raise ValueError(f"Replicated datasets differ in size: owner={len(source)}, workers={sizes}")
+            self.workers_info = ready
             handles = [
                 _RayWorker(a, str(r["reader_id"]), int(r["capacity"]))
                 for a, r in zip(self.actors, ready, strict=True)
@@ -405,8 +406,16 @@ class DistributedRollout:
         self._recovered = False
         log.info("Distributed rollout: %d workers with %s groups each", len(slots), slots)
 
-    def generate(self, rollout_id: int, *, prefetch: int = 0) -> Any:
-        """Block until the step's groups are kept (recovered groups first, in resume mode)."""
+    def generate(self, rollout_id: int, *, prefetch: int | None = None) -> Any:
+        """Block until the step's groups are kept (recovered groups first, in resume mode).
+
+        ``prefetch`` defaults to one less than the live workers: then every worker can hold a
+        request while the step still needs a group, so a fast worker fills the batch while a
+        slow one is still generating (with less, a slow worker may hold the step's last
+        request until it finishes).
+        """
+        if prefetch is None:
+            prefetch = max(0, len(self.scheduler.live_readers()) - 1)
         if not self._recovered:
             self._recovered = True
             self.scheduler.add_recovered(recovered_groups(self.config, self.controller))
