@@ -19,7 +19,7 @@ from child_io import CHILD_TIMEOUT_S, children, read_line
 from rollout_helpers import prompt_rows
 from straw.errors import CorruptData
 from straw.reporting import try_lock
-from straw.rollout.checkpoint import RestorePlan, resolve_checkpoint
+from straw.rollout.checkpoint import resolve_checkpoint
 from straw.rollout.config import RolloutConfig
 from straw.rollout.controller import GC_FAILED, QueueController
 
@@ -222,15 +222,6 @@ def test_close_is_idempotent_and_later_calls_fail(open_controller: OpenControlle
     controller.close()
     with pytest.raises(RuntimeError, match=r"^Queue controller is closed$"):
         controller.take("r", 1)
-
-
-def test_restore_plans_of_the_later_modes_are_refused(make_config: MakeConfig, save: Path) -> None:
-    config = make_config(save=str(save), save_interval=1)
-    plan = RestorePlan("rollback", save=str(save), step=1, queue_id="run:" + "0" * 32)
-    with pytest.raises(NotImplementedError, match=r"rollback procedure.*not implemented"):
-        QueueController(config, dataset=prompt_rows(4), restore_plan=plan)
-    assert lock_is_free(save)
-    assert not (save / "rollout" / "job.json").exists()
 
 
 def test_a_damaged_queue_is_reported_with_straw_check(make_config: MakeConfig, save: Path) -> None:

@@ -10,6 +10,7 @@ from ..errors import QueueError
 from .check import CheckReport, check_pool
 from .layout import NotAPool
 from .render import render_check, render_inspect, render_why
+from .save_view import inspect_save, render_save
 from .view import UnknownPack, inspect_pool, why
 
 CHECK_DESCRIPTION = """\
@@ -33,6 +34,10 @@ Describe a pool: packs (size, sealed or open, live and dead bytes, owners),
 owners and what they retain, and every queue (tasks by state, leases with age
 and holder, accepted commits, consumers and cursors, journal size and last
 snapshot). Read-only; safe beside live writers and coordinators.
+
+With --save DIR (and no POOL), describe a rollout job's save directory instead:
+its joint commits (step, intact files, bytes each retains in the pool) and what a
+restart in place would select (--ckpt-step K: what that flag would select).
 """
 
 INSPECT_EXIT_CODES = """\
@@ -55,7 +60,11 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("pool", help="the pool's root directory")
+    parser.add_argument("pool", nargs="?", help="the pool's root directory")
+    parser.add_argument("--save", metavar="DIR", help="describe a rollout job's save directory instead")
+    parser.add_argument(
+        "--ckpt-step", type=int, metavar="K", help="with --save: what --ckpt-step K would select"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument(
         "--why", metavar="PACK", help="explain why a pack (raw/<writer>/<segment>.pack) is kept"
@@ -92,6 +101,8 @@ def run_check(options: argparse.Namespace) -> Outcome:
 
 def run_inspect(options: argparse.Namespace) -> Outcome:
     """``straw inspect``."""
+    if options.save is not None or options.pool is None:
+        return _inspect_save(options)
     try:
         if options.why:
             answer = why(options.pool, options.why)
@@ -102,3 +113,15 @@ def run_inspect(options: argparse.Namespace) -> Outcome:
     except (OSError, QueueError) as error:
         return _fail(f"cannot inspect {options.pool}: {error}")
     return 0, _json(data) if options.json else render_inspect(data), ""
+
+
+def _inspect_save(options: argparse.Namespace) -> Outcome:
+    if options.save is None or options.pool is not None or options.why:
+        return _fail("give a POOL, or --save DIR alone (--why needs a POOL)")
+    try:
+        data = inspect_save(options.save, ckpt_step=options.ckpt_step)
+    except NotAPool as error:
+        return _fail(str(error))
+    except (OSError, QueueError) as error:
+        return _fail(f"cannot inspect {options.save}: {error}")
+    return 0, _json(data) if options.json else render_save(data), ""

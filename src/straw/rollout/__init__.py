@@ -8,8 +8,22 @@ straw's public modules; torch and PIL are imported where used, and Ray only by
 
 from __future__ import annotations
 
-from .archive import bind_archive_pool
-from .checkpoint import RestorePlan, resolve_checkpoint
+from .archive import (
+    ArchiveReplay,
+    RolloutArchive,
+    bind_archive_pool,
+    load_debug_rollout_data,
+    save_debug_rollout_data,
+)
+from .checkpoint import (
+    ModelSave,
+    RestorePlan,
+    commit_checkpoint,
+    model_dir,
+    read_commit,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .codec import SampleCodec, register_type
 from .config import REMOVED_FLAGS, RolloutConfig, add_arguments, from_args, resolve_pool
 from .controller import EXCLUSIVE_OWNER, ControllerClient, QueueController
@@ -62,6 +76,7 @@ __all__ = [
     "QUEUE_ATTRIBUTES",
     "REMOVED_FLAGS",
     "REPLAY_FIELDS",
+    "ArchiveReplay",
     "ControllerClient",
     "Dataset",
     "DatasetCursor",
@@ -70,6 +85,7 @@ __all__ = [
     "Generator",
     "Hooks",
     "JsonlDataset",
+    "ModelSave",
     "PromptProducer",
     "QueueController",
     "QueueDataSource",
@@ -77,6 +93,7 @@ __all__ = [
     "QueueReaderConfig",
     "RawRolloutRef",
     "RestorePlan",
+    "RolloutArchive",
     "RolloutConfig",
     "RolloutGroupRef",
     "RolloutStore",
@@ -88,20 +105,24 @@ __all__ = [
     "add_arguments",
     "bind_archive_pool",
     "close_rollout_stores",
+    "commit_checkpoint",
     "discard_group",
     "from_args",
     "group_lease",
     "group_stage",
     "inherit_queue_context",
     "iter_samples",
+    "load_debug_rollout_data",
     "load_function",
     "load_groups",
     "materialize",
+    "model_dir",
     "numeric_version",
     "open_reader",
     "pack_group",
     "pack_payload",
     "probe_roundtrip",
+    "read_commit",
     "record_provenance",
     "register_type",
     "release_group_staging",
@@ -110,6 +131,8 @@ __all__ = [
     "resolve_pool",
     "rollout_store",
     "run_io",
+    "save_checkpoint",
+    "save_debug_rollout_data",
     "scheduling_key",
     "seal_rollout_store",
     "settled",

@@ -408,6 +408,10 @@ class QueueController:
     def configuration(self) -> dict[str, Any]:
         """The data source's identity a restore compares (section 10.2)."""
         self._usable()
+        return self.data_configuration()
+
+    def data_configuration(self) -> dict[str, Any]:
+        """``configuration()`` without the queue: a rollback checks it before the queue opens."""
         producer = self._prompt_producer()
         dataset = producer.dataset
         named = getattr(dataset, "identity", None)

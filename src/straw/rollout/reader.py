@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import LeaseExpired, StaleAttempt
+from ..errors import (
+    CorruptData,
+    InvalidReference,
+    LeaseExpired,
+    StaleAttempt,
+    StorageUnavailable,
+    UnsupportedSchema,
+)
 from ..protocol import Assignment, CommitReceipt, Lease, RecordSetRef, as_dict
 from ..reporting import write_report
 from .checkpoint import rollout_dir
@@ -605,13 +612,32 @@ class QueueDataSource(QueueReader):
         return SourceRestore(mode, restored, int(identity["timeline"]))
 
     def _saved_consumers(self, step: int) -> dict[str, Any]:
+        plan = getattr(self.controller, "plan", None)
+        if getattr(plan, "snapshot_problem", None) is not None:
+            return {}  # the restore found no usable snapshot: the consumers start fresh
         path = rollout_dir(str(self.config.save)) / f"queue_state_{step}.json"
         if not path.exists():
             return {}
-        index = json.loads(path.read_text(encoding="utf-8"))
         bound = rollout_store(self.config)
-        with bound.lock:
-            head = bound.codec.load(RecordSetRef.from_dict(index["manifest"]), selection={"consumers": None})
+        try:
+            index = json.loads(path.read_text(encoding="utf-8"))
+            with bound.lock:
+                head = bound.codec.load(
+                    RecordSetRef.from_dict(index["manifest"]), selection={"consumers": None}
+                )
+        except (
+            CorruptData,
+            StorageUnavailable,
+            InvalidReference,
+            UnsupportedSchema,
+            KeyError,
+            ValueError,
+        ) as error:
+            # A proxied controller does not tell its plan; the snapshot was unusable to it too.
+            log.warning(
+                "Consumer states of step %d cannot be read (%s): the consumers start fresh", step, error
+            )
+            return {}
         return dict(head.get("consumers") or {})
 
     def close(self) -> None:
