@@ -265,23 +265,22 @@ def test_pause_admission_keeps_partials_and_resumes_them_under_the_new_version(
 # --------------------------------------------------------------------------- losing a worker
 
 
-def accepted_by(job: Job, worker: str, groups: int) -> set[int]:
-    """Group indices whose tasks ``worker`` completed (accepted results)."""
+def tasks_of(job: Job, worker: str, state: str, groups: int) -> set[int]:
+    """Group indices among the first ``groups`` whose task is in ``state`` under ``worker``'s lease."""
     found = set()
     for g in range(groups):
         status = job.client.status(f"prompt:{g}")
-        if status is not None and status["state"] == "completed" and status["lease"]["worker_id"] == worker:
+        if status is not None and status["state"] == state and status["lease"]["worker_id"] == worker:
             found.add(g)
     return found
+
+
+def accepted_by(job: Job, worker: str, groups: int) -> set[int]:
+    return tasks_of(job, worker, "completed", groups)
 
 
 def leased_by(job: Job, worker: str, groups: int) -> set[int]:
-    found = set()
-    for g in range(groups):
-        status = job.client.status(f"prompt:{g}")
-        if status is not None and status["state"] == "leased" and status["lease"]["worker_id"] == worker:
-            found.add(g)
-    return found
+    return tasks_of(job, worker, "leased", groups)
 
 
 def test_a_killed_worker_loses_no_accepted_group_and_its_leases_return(
