@@ -40,13 +40,14 @@ except ModuleNotFoundError as missing:  # pragma: no cover - exercised in a chil
     ) from missing
 
 from ..protocol import RecordSetRef
+from .collection import RolloutOutput
 from .config import RolloutConfig
 from .controller import ControllerClient, QueueController
 from .hooks import Hooks
 from .pool import private_store, probe_roundtrip, rollout_store
 from .reader import QueueReaderConfig
 from .refs import DiskPayloadRef, release_publications
-from .runner import recovered_groups
+from .runner import ScheduledRollout
 from .scheduler import RolloutScheduler
 from .workers import SlotWorker
 
@@ -326,7 +327,7 @@ def generation_nodes() -> list[dict[str, Any]]:
     return sorted(nodes, key=lambda n: (str(n.get("NodeManagerAddress")), str(n["NodeID"])))
 
 
-class DistributedRollout:
+class DistributedRollout(ScheduledRollout):
     """Fully asynchronous generation with one :class:`GenerationWorker` per Ray node.
 
     ``source`` is the job's ``QueueDataSource`` over a :class:`RayControllerClient`;
@@ -391,6 +392,7 @@ class DistributedRollout:
             sizes = [int(r["dataset_size"]) for r in ready]
             if any(size != len(source) for size in sizes):
                 raise ValueError(f"Replicated datasets differ in size: owner={len(source)}, workers={sizes}")
+            self.workers_info = ready
             handles = [
                 _RayWorker(a, str(r["reader_id"]), int(r["capacity"]))
                 for a, r in zip(self.actors, ready, strict=True)
@@ -405,21 +407,17 @@ class DistributedRollout:
         self._recovered = False
         log.info("Distributed rollout: %d workers with %s groups each", len(slots), slots)
 
-    def generate(self, rollout_id: int, *, prefetch: int = 0) -> Any:
-        """Block until the step's groups are kept (recovered groups first, in resume mode)."""
-        if not self._recovered:
-            self._recovered = True
-            self.scheduler.add_recovered(recovered_groups(self.config, self.controller))
-        return self.scheduler.generate(rollout_id, prefetch=prefetch)
+    def generate(self, rollout_id: int, *, prefetch: int | None = None) -> RolloutOutput:
+        """Block until the step's groups are kept (recovered groups first, in resume mode).
 
-    def pause(self, *, drain: bool = True) -> bool:
-        return self.scheduler.pause(drain=drain)
-
-    def pause_admission(self) -> bool:
-        return self.scheduler.pause_admission()
-
-    def resume_admission(self, was_paused: bool = False) -> None:
-        self.scheduler.resume_admission(was_paused)
+        ``prefetch`` defaults to one less than the live workers: then every worker can hold a
+        request while the step still needs a group, so a fast worker fills the batch while a
+        slow one is still generating (with less, a slow worker may hold the step's last
+        request until it finishes).
+        """
+        if prefetch is None:
+            prefetch = max(0, len(self.scheduler.live_readers()) - 1)
+        return super().generate(rollout_id, prefetch=prefetch)
 
     def _broadcast(self, calls: Sequence[Any]) -> list[Any]:
         """Results of one call per worker; a dead worker's is None (the scheduler handles the loss)."""
