@@ -12,14 +12,14 @@ PEER_PY ?= /work/peer/bin/python
 # Scenarios of ../shared/bench/bench_api.py to compare (a..g); see ../shared/bench/README.md.
 ONLY ?= --only ab
 
-.PHONY: all test demo lint typecheck fmt slow compare compat clean crash sim soak
+.PHONY: all test demo bench lint typecheck fmt slow compare compat clean crash sim soak
 
 all: test
 
 # Re-install whenever pyproject.toml changes (dependencies, extras, entry points).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,torch,engines]'
+	$(BIN)/pip install -q -e '.[test,torch,engines,ray,demo]'
 	touch $@
 
 test: $(STAMP)
@@ -29,6 +29,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)
+	$(BIN)/straw demo
+
+bench: $(STAMP)
 	$(BIN)/straw bench
 
 lint: $(STAMP)
@@ -45,11 +48,12 @@ fmt: $(STAMP)
 slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
-# Verification campaigns (issue 6); each runs its long variants, which `make test` samples.
+# Verification campaigns (issues 6 and 11); each runs its long variants, which `make test` samples.
 # The full crash campaign: every byte prefix and bit flip of the last journal/catalog frame,
-# an abrupt exit at every named durable phase.
+# an abrupt exit at every named durable phase; and the full damage campaign: every metadata
+# file of a pool deleted, cut, flipped and replaced by a link, at several positions.
 crash: $(STAMP)
-	STRAW_CRASH_FULL=1 $(BIN)/python -m pytest tests/test_crash_campaign.py -m "slow or not slow"
+	STRAW_CRASH_FULL=1 $(BIN)/python -m pytest tests/test_crash_campaign.py tests/test_damage_campaign.py -m "slow or not slow"
 
 # The seeded simulation on the in-memory fault-injecting filesystem: `make sim SEEDS=1000`.
 SEEDS ?= 200

@@ -22,7 +22,9 @@ Both ranks sum every replay array they got, so each byte is really read in both 
 Reported: step time and its ratio, the driver's peak RSS and its ratio, bytes read by each
 straw rank against its share, straw's fixed cost per group with a tiny payload (in one process,
 the payload write and read excluded), and the scheduling cost (``take`` + ``add_samples`` p50)
-from 1k to 100k pending groups. Numbers print as a table (and ``--json``); nothing here is a
+from 1k to 100k pending groups. Every path runs ``--repeat`` times, back to back in each repeat; each
+run prints, then a table of the issue's targets with medians over the repeats (ratios taken within a
+repeat). Numbers also go to ``--json``; nothing here is a
 pass/fail test.
 
 Usage::
@@ -31,7 +33,7 @@ Usage::
     .venv/bin/python benchmarks/rollout_path.py [--pool DIR] [--memory-pool DIR] [--groups 64]
         [--samples 8] [--response 4096] [--layers 48] [--route-topk 8] [--topk 8] [--ranks 4]
         [--workers 4] [--pending 1000,10000,100000] [--only straw,ray,overhead,scheduling]
-        [--json out.json]
+        [--repeat 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def start_ray(object_store: int) -> Any:
     import ray
 
     ray.init(
+        address="local",  # always a private instance, never a cluster another process started
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         num_cpus=16,
@@ -437,54 +440,103 @@ def run_child(kind: str, args: argparse.Namespace, pool: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+def median_of(runs: list[dict[str, Any]], pick: Any) -> float:
+    return float(statistics.median(pick(run) for run in runs))
+
+
+def rank_read_ratio(run: dict[str, Any]) -> float:
+    """The worst rank's bytes read over its share."""
+    return max(rank["read"] / rank["share"] for rank in run["ranks"])
+
+
+def report_runs(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Each run's figures, then the medians over the repeats."""
     data_bytes = (
         args.groups * args.samples * 4 * args.response * (args.layers * args.route_topk + 2 * args.topk)
     )
     print(f"step: {args.groups} groups x {args.samples} samples, replay data {data_bytes / 2**30:.2f} GiB")
-    ray_run = results.get("ray")
-    for name in ("straw", "straw_memory"):
-        run = results.get(name)
-        if run is None:
-            continue
-        print(
-            f"\n{name}: step {run['step_s']:.2f} s (generate {run['generate_s']:.2f}, "
-            f"accept+build {run['build_s']:.2f}, rank loads {run['load_s']:.2f})"
-        )
-        print(
-            f"  driver peak RSS {run['driver_peak_rss'] / 2**20:.0f} MiB, "
-            f"controller actor {run['controller_peak_rss'] / 2**20:.0f} MiB"
-        )
-        for i, rank in enumerate(run["ranks"]):
-            print(
-                f"  rank {i}: read {rank['read'] / 2**20:.0f} MiB for a share of "
-                f"{rank['share'] / 2**20:.0f} MiB ({rank['read'] / rank['share']:.3f}x)"
+    for name in ("ray", "straw", "straw_memory"):
+        for i, run in enumerate(results.get(name, [])):
+            where = {"ray": "convert+put", "straw": "accept+build", "straw_memory": "accept+build"}[name]
+            line = (
+                f"{name} #{i + 1}: step {run['step_s']:.2f} s (generate {run['generate_s']:.2f}, "
+                f"{where} {run['build_s']:.2f}, rank loads {run['load_s']:.2f}), "
+                f"driver peak RSS {run['driver_peak_rss'] / 2**20:.0f} MiB"
             )
-        if ray_run is not None:
-            print(
-                f"  vs Ray: step time {run['step_s'] / ray_run['step_s']:.2f}x, driver peak RSS "
-                f"{run['driver_peak_rss'] / ray_run['driver_peak_rss']:.3f}x"
-            )
-    if ray_run is not None:
-        print(
-            f"\nray: step {ray_run['step_s']:.2f} s (generate {ray_run['generate_s']:.2f}, "
-            f"convert+put {ray_run['build_s']:.2f}, rank gets {ray_run['load_s']:.2f}); "
-            f"driver peak RSS {ray_run['driver_peak_rss'] / 2**20:.0f} MiB"
-        )
+            if name != "ray":
+                line += f", rank reads/share {rank_read_ratio(run):.3f}x"
+            print(line)
     for name in ("overhead", "overhead_memory"):
-        if name in results:
-            o = results[name]
+        for i, o in enumerate(results.get(name, [])):
             print(
-                f"\n{name}: per group p50 {o['group_ms_p50']:.2f} ms (p90 {o['group_ms_p90']:.2f}), "
+                f"{name} #{i + 1}: per group p50 {o['group_ms_p50']:.2f} ms (p90 {o['group_ms_p90']:.2f}), "
                 f"manager {o['manager_ms_per_group']:.2f} ms per group"
             )
-    if "scheduling" in results:
-        print("\nscheduling (take + add_samples p50):")
-        for level, row in results["scheduling"].items():
-            print(
-                f"  {int(level):>7} pending: take {row['take_ms_p50']:.2f} ms"
-                f" + add {row['add_ms_p50']:.2f} ms = {row['sum_ms_p50']:.2f} ms"
+    for i, levels in enumerate(results.get("scheduling", [])):
+        cells = ", ".join(
+            f"{int(level)}: {row['take_ms_p50']:.2f} + {row['add_ms_p50']:.2f} = {row['sum_ms_p50']:.2f} ms"
+            for level, row in levels.items()
+        )
+        print(f"scheduling #{i + 1} (take + add_samples p50 by pending groups): {cells}")
+
+
+def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str, str]]:
+    """(target, limit, measured median, met) rows; ratios are taken within each repeat (the two
+    paths ran back to back), then the median over the repeats."""
+    rows: list[tuple[str, str, str, str]] = []
+    ray_runs = results.get("ray", [])
+
+    def paired(name: str, pick: Any) -> float | None:
+        runs = results.get(name, [])
+        pairs = list(zip(runs, ray_runs, strict=False))
+        if not pairs:
+            return None
+        return float(statistics.median(pick(a) / pick(b) for a, b in pairs))
+
+    for name, label in (("straw", "disk"), ("straw_memory", "tmpfs")):
+        step = paired(name, lambda run: run["step_s"])
+        if step is not None:
+            rows.append(
+                (f"step time vs object store ({label})", "<= 1.10x", f"{step:.2f}x", _met(step <= 1.1))
             )
+    rss = paired("straw", lambda run: run["driver_peak_rss"])
+    if rss is not None:
+        rows.append(("driver peak RSS vs object store", "<= 0.25x", f"{rss:.3f}x", _met(rss <= 0.25)))
+    if results.get("straw"):
+        read = median_of(results["straw"], rank_read_ratio)
+        rows.append(("bytes read per rank / its share", "<= 1.10x", f"{read:.3f}x", _met(read <= 1.1)))
+    for name, label in (("overhead", "disk"), ("overhead_memory", "tmpfs")):
+        if results.get(name):
+            ms = median_of(results[name], lambda o: o["group_ms_p50"])
+            rows.append(
+                (f"straw's own cost per group, p50 ({label})", "<= 2 ms", f"{ms:.2f} ms", _met(ms <= 2))
+            )
+    if results.get("scheduling"):
+        levels = list(results["scheduling"][0])
+        p50 = {
+            lvl: median_of(results["scheduling"], lambda r, lvl=lvl: r[lvl]["sum_ms_p50"]) for lvl in levels
+        }
+        spread = max(p50.values()) / min(p50.values())
+        cells = " / ".join(f"{p50[lvl]:.2f}" for lvl in levels)
+        rows.append(
+            (f"take + add_samples p50 at {' / '.join(levels)} pending (max/min)", "<= 1.5x",
+             f"{cells} ms ({spread:.2f}x)", _met(spread <= 1.5))
+        )  # fmt: skip
+    return rows
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def report_targets(results: dict[str, list[dict[str, Any]]], repeats: int) -> None:
+    rows = targets(results)
+    if not rows:
+        return
+    print(f"\nissue 13 targets (medians of {repeats} repeat(s)):")
+    width = max(len(r[0]) for r in rows)
+    for target, limit, value, met in rows:
+        print(f"  {target:<{width}}  {limit:>9}  {value:>24}  {met}")
 
 
 def main() -> None:
@@ -508,6 +560,7 @@ def main() -> None:
     parser.add_argument("--pending", default="1000,10000,100000")
     parser.add_argument("--scheduling-samples", type=int, default=200)
     parser.add_argument("--only", default="straw,ray,overhead,scheduling")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each path; medians are reported")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.child_json:
@@ -523,7 +576,7 @@ def main() -> None:
     base = args.pool or tempfile.mkdtemp(prefix="straw-rollout-bench-")
     memory = os.path.join(args.memory_pool, f"straw-rollout-bench-{os.getpid()}")
     wanted = args.only.split(",")
-    results: dict[str, Any] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
     runs = [
         ("ray", "ray", os.path.join(base, "ray")),
         ("straw", "straw", os.path.join(base, "straw")),
@@ -532,13 +585,17 @@ def main() -> None:
         ("overhead_memory", "overhead", memory),
         ("scheduling", "scheduling", memory),
     ]
-    for name, kind, pool in runs:
-        if kind in wanted:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_child(kind, args, pool)
+    # Each repeat runs every path once, back to back, so a ratio compares runs that saw about
+    # the same load of the shared machine; the report takes medians over the repeats.
+    for repeat in range(args.repeat):
+        for name, kind, pool in runs:
+            if kind in wanted:
+                print(f"repeat {repeat + 1}/{args.repeat}: running {name} ...", file=sys.stderr, flush=True)
+                results.setdefault(name, []).append(run_child(kind, args, pool))
     if args.pool is None:
         shutil.rmtree(base, ignore_errors=True)
-    report(results, args)
+    report_runs(results, args)
+    report_targets(results, args.repeat)
     if args.json:
         Path(args.json).write_text(json.dumps({"arguments": vars(args), "results": results}, indent=2))
 

@@ -154,8 +154,8 @@ def test_tombstoned_pack_left_on_disk_is_unlinked_by_fix(
 
 
 def _partial_frame(segment: Path, seq: int) -> int:
-    """Write an unacknowledged frame whose body never fully reached the disk at the journal's end."""
-    scan_end = segment.stat().st_size
+    """Write an unacknowledged frame whose body never fully reached the disk at the journal's end
+    (into the zeros written ahead, J1.1: the segment keeps its size and still ends in zeros, J7)."""
     data = segment.read_bytes()
     end = len(data.rstrip(b"\0"))  # after a crash the zeros written ahead follow the last frame
     body = b'{"op":"seal","request_id":"never-acknowledged"}'
@@ -163,9 +163,14 @@ def _partial_frame(segment: Path, seq: int) -> int:
     with open(segment, "r+b") as handle:
         handle.seek(end)
         handle.write(header + body[:10])
-        handle.truncate(end + len(header) + 10)
-    assert scan_end >= end
+    assert segment.stat().st_size == len(data) > end + len(header) + 10 + 64
     return end
+
+
+def _zeroed_from(path: Path, end: int, size: int) -> bool:
+    """The file kept its size and holds only zeros from ``end`` on (a zeroed torn tail, J4.3)."""
+    data = path.read_bytes()
+    return len(data) == size and not data[end:].strip(b"\0")
 
 
 def test_torn_journal_tail_is_cut_by_fix_and_recovery_keeps_every_completion(
@@ -176,12 +181,13 @@ def test_torn_journal_tail_is_cut_by_fix_and_recovery_keeps_every_completion(
     last = built.coordinator._journal.last_seq
     crash(built.coordinator)
     segment = segments(tmp_path)[-1]
+    size = segment.stat().st_size
     end = _partial_frame(segment, last + 1)
     report = check_pool(tmp_path)
     assert codes(report)["journal.torn_tail"] == "repairable" and not report.ok
     code, out, _ = run(capsys, str(tmp_path), "--fix")
     assert code == 0 and "journal.torn_tail" in out
-    assert segment.stat().st_size == end
+    assert _zeroed_from(segment, end, size)
     reopened = Coordinator(built.store, exclusive_owner="check-test", recover=True)
     assert reopened.commits == commits and len(commits) == 3
     reopened.close()
@@ -218,16 +224,18 @@ def test_flipped_byte_inside_a_journal_frame_is_an_error_fix_does_not_touch(
     assert tree_digest(tmp_path) == before
 
 
-def test_torn_catalog_tail_is_cut_by_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_torn_catalog_tail_is_zeroed_by_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     close_pool(build_pool(tmp_path))
     log = tmp_path / "catalog" / "log"
-    size = log.stat().st_size
-    with open(log, "ab") as handle:
-        handle.write(b"SJFR" + bytes(20))  # a crashed appender's partial header
+    data = log.read_bytes()
+    end = len(data.rstrip(b"\0"))
+    with open(log, "r+b") as handle:
+        handle.seek(end)
+        handle.write(b"SJFR" + bytes(20) + b"\x07")  # a crashed appender's partial header, in the zeros
     report = check_pool(tmp_path)
     assert codes(report) == {"catalog.torn_tail": "repairable"}
     code, _, _ = run(capsys, str(tmp_path), "--fix")
-    assert code == 0 and log.stat().st_size == size
+    assert code == 0 and _zeroed_from(log, end, len(data))
     assert check_pool(tmp_path).findings == []
 
 
@@ -290,12 +298,13 @@ def test_console_script_runs(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
 
 
-def test_final_frame_with_zero_body_is_a_torn_write_fix_cuts(tmp_path: Path) -> None:
+def test_final_frame_with_zero_body_is_a_torn_write_fix_zeroes_it(tmp_path: Path) -> None:
     built = build_pool(tmp_path, done=2)
     commits = built.coordinator.commits
     last = built.coordinator._journal.last_seq
     crash(built.coordinator)
     segment = segments(tmp_path)[-1]
+    size = segment.stat().st_size
     end = len(segment.read_bytes().rstrip(b"\0"))
     body = b'{"op":"seal","request_id":"lost"}'
     header, _ = journal_frame.encode_frame(last + 1, bytes(16), body)
@@ -306,7 +315,7 @@ def test_final_frame_with_zero_body_is_a_torn_write_fix_cuts(tmp_path: Path) -> 
     (finding,) = [f for f in report.findings if f.code == "journal.torn_tail"]
     assert "a torn write" in finding.message and finding.severity == "repairable"
     fixed = check_pool(tmp_path, fix=True)
-    assert fixed.ok and segment.stat().st_size == end
+    assert fixed.ok and _zeroed_from(segment, end, size)
     reopened = Coordinator(built.store, exclusive_owner="check-test", recover=True)
     assert reopened.commits == commits
     reopened.close()

@@ -5,9 +5,10 @@ ends abruptly right after an acknowledged call, so the last frame of the queue's
 (or of the pool's catalog log) is that call's. Then, for every byte prefix of that frame
 and for one bit flip at every byte of it, the test rewrites the file and reopens the pool:
 
-* a prefix whose file ends inside the frame, or is followed by the zeros written ahead of
-  appends (DURABILITY.md J1.1), is a torn write: recovery keeps exactly the state before
-  the frame and cuts the file back to the frame's start (I11, G2);
+* a prefix followed by the zeros written ahead of appends (DURABILITY.md J1.1) is a torn
+  write: recovery keeps exactly the state before the frame and zeroes the torn bytes (I11, G2);
+* a file that ends inside the frame or right after it, without those zeros, was cut short,
+  which no crash does (J7): the open fails closed with ``CorruptData`` and changes nothing;
 * a bit flip anywhere in that last frame is damage no later frame proves durable: the
   decision table cuts it like a torn write (its documented blind spot); it is never applied;
 * a bit flip in the frame before it, which the last frame's recorded lag proves durable,
@@ -76,8 +77,8 @@ H = jframe.FRAME_HEADER_BYTES
 
 #: How often the child's complete workload reaches each fault phase (checked by a test).
 PHASE_COUNTS = {
-    "after_catalog_append": 18,
-    "after_catalog_sync": 18,
+    "after_catalog_append": 19,
+    "after_catalog_sync": 19,
     "after_data_sync": 16,
     "after_data_write": 16,
     "after_dir_sync": 8,
@@ -87,7 +88,7 @@ PHASE_COUNTS = {
     "after_seal_sync": 4,
     "after_snapshot_write": 2,
     "after_tombstone": 1,
-    "before_catalog_write": 18,
+    "before_catalog_write": 19,
     "before_completion_reply": 6,
     "before_data_write": 16,
     "before_dir_sync": 8,
@@ -292,8 +293,8 @@ class FrameCampaign:
         self.previous_start, self.previous_end = extents[-2]
         self.length = self.end - self.start
         tail = data[self.end :]
-        # After an abrupt exit the journal keeps its zero-filled space (J1.1); the catalog
-        # log has none. Either way the last frame is followed by nothing but zeros.
+        # After an abrupt exit both logs keep the zeros written ahead of their appends (J1.1,
+        # J7): the last frame is followed by nothing but zeros.
         assert bool(tail) == zero_tail_expected and not tail.strip(b"\0"), verdict
         self.head = data[: self.start]
         self.frame = data[self.start : self.end]
@@ -304,7 +305,7 @@ class FrameCampaign:
         return data
 
     def truncated(self, size: int) -> bytes:
-        """The file ending after ``size`` bytes of the frame (a torn append at the end of the file)."""
+        """The file ending after ``size`` bytes of the frame, without zeros: cut short (J7)."""
         return self.write(self.head + self.frame[:size])
 
     def zero_filled(self, size: int) -> bytes:
@@ -326,45 +327,54 @@ def run_cases(
     """Run every prefix and flip case of the campaign's frames; the two reference views.
 
     ``reopen`` opens the pool as a new client would: the refusal (``CorruptData``, whose
-    message contains ``refusal``) or what it finds. The references are the file cut cleanly
-    before the last frame and the whole frame. The decision table (DURABILITY.md) decides
-    each case, and the file must be left where that decision puts it:
+    message contains ``refusal``) or what it finds. The references are the frame absent (its
+    bytes still zeros) and the whole frame, both followed by the zeros written ahead. The
+    decision table (DURABILITY.md) decides each case:
 
-    * the last frame, cut anywhere or followed by zeros from any byte on, is a torn write:
-      the prefix is kept and the file cut back to the frame's start;
-    * a bit flip in the last frame is damage that no later frame proves durable: cut the
+    * the last frame, torn anywhere and followed by zeros, is a torn write: the prefix is
+      kept and the torn bytes become zeros again (no longer part of any frame);
+    * the file cut short inside the last frame, or right after it, is not a crash (J7): the
+      open fails closed and changes nothing;
+    * a bit flip in the last frame is damage that no later frame proves durable: removed the
       same way (the table's one blind spot, documented: a damaged frame is never applied);
     * a bit flip in the frame before it, which the last frame's lag proves durable, is
       damage to acknowledged data: the open fails closed and changes nothing;
     * only the intact frame gives the state after the call.
     """
     start, length = campaign.start, campaign.length
-    campaign.truncated(0)
+    campaign.zero_filled(0)
     before = reopen()
-    campaign.truncated(length)
+    campaign.zero_filled(length)
     after = reopen()
     assert not isinstance(before, CorruptData) and not isinstance(after, CorruptData)
     assert before != after, "the last frame changes nothing a client can see"
-    outcomes = {"before": 0, "after": 0, "refused": 0}
+    outcomes = {"before": 0, "after": 0, "refused": 0, "cut": 0}
 
     def expect(outcome: str, case: str, written: bytes) -> None:
         found = reopen()
-        if outcome == "refused":
+        if outcome in ("refused", "cut"):
             assert isinstance(found, CorruptData), (case, found)
-            assert refusal in str(found) and "was durable" in str(found), (case, found)
+            wanted = "cut short" if outcome == "cut" else "was durable"
+            assert refusal in str(found) and wanted in str(found), (case, found)
             assert campaign.path.read_bytes() == written, f"{case}: the refusal changed the file"
         else:
             assert not isinstance(found, CorruptData), (case, found)
             assert found == (after if outcome == "after" else before), case
-            # A torn frame (or the zeros after the last frame) was cut: the file ends at the
-            # frame's start, or after the whole frame.
-            assert campaign.path.stat().st_size == start + (length if outcome == "after" else 0), case
+            # A torn frame (or the zeros after the last frame) is gone: the frame's bytes are
+            # zeros (or cut off once a new segment continues the journal), or the whole frame.
+            data = campaign.path.read_bytes()
+            assert data[:start] == campaign.head, case
+            if outcome == "after":
+                assert data[start : campaign.end] == campaign.frame, case
+            else:
+                assert not data[start : campaign.end].strip(b"\0"), case
         outcomes[outcome] += 1
 
     for size in positions(length + 1, coverage):
-        outcome = "after" if size == length else "before"
-        expect(outcome, f"truncated to {size}", campaign.truncated(size))
-        expect(outcome, f"{size} bytes then zeros", campaign.zero_filled(size))
+        expect(
+            "after" if size == length else "before", f"{size} bytes then zeros", campaign.zero_filled(size)
+        )
+        expect("cut", f"cut short after {size} bytes", campaign.truncated(size))
     for position in positions(length, coverage):
         expect("before", f"bit flip at byte {position}", campaign.flipped(position))
     previous = positions(campaign.previous_end - campaign.previous_start, coverage)
@@ -373,7 +383,7 @@ def run_cases(
             "refused", f"bit flip at byte {position} of the frame before", campaign.flipped_previous(position)
         )
     tried, flips = len(positions(length + 1, coverage)), len(positions(length, coverage))
-    assert outcomes == {"before": 2 * (tried - 1) + flips, "after": 2, "refused": len(previous)}
+    assert outcomes == {"before": tried - 1 + flips, "after": 1, "refused": len(previous), "cut": tried}
     return before, after
 
 
@@ -453,7 +463,7 @@ def test_g2_catalog_torn_or_flipped_last_frame_is_cut_and_damage_before_it_refus
     root = tmp_path / "pool"
     status, lines = run_child(root, stop=line_number(reference, last_op, child.KEEP_SCRATCH))
     assert status == child.CRASH_STATUS and lines[-1]["op"] == last_op
-    campaign = FrameCampaign(root, root / "catalog" / "log", ("catalog",), zero_tail_expected=False)
+    campaign = FrameCampaign(root, root / "catalog" / "log", ("catalog",), zero_tail_expected=True)
     assert json.loads(campaign.frame[H:])["events"] == [{"op": last_op, **campaign_event(lines[-1])}]
     packs = sorted(child.on_disk(root))
     scratch = {p for p in packs if p.endswith(".seg")}  # the scratch writer's one-file packs
@@ -498,7 +508,7 @@ def test_check_reports_a_damaged_durable_frame_and_fix_leaves_it_alone(
         status, _ = run_child(root, stop=line_number(reference, "retain", child.KEEP_SCRATCH))
         path = root / "catalog" / "log"
     assert status == child.CRASH_STATUS
-    campaign = FrameCampaign(root, path, ("queue", "catalog"), zero_tail_expected=log == "journal")
+    campaign = FrameCampaign(root, path, ("queue", "catalog"), zero_tail_expected=True)
     length = campaign.previous_end - campaign.previous_start
     damaged = campaign.flipped_previous(
         {"header": 20, "body": H + length // 2, "last byte": length - 1}[where]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +219,49 @@ def test_durable_primitives_only_in_fs() -> None:
                     if alias.name in FS_ONLY_CALLS[node.module]:
                         found.append(f"{m.at(node)}: imports {node.module}.{alias.name} outside _fs/")
     report(found, "rename/replace/fsync/link/flock outside straw/_fs/ (STYLE.md habit 7)")
+
+
+# Issue 11: recovery and `straw check` read a pool only through straw._fs (the seam FaultFS
+# replaces), so check runs in the simulation and sees the files exactly as recovery does.
+SEAM_READERS = frozenset({"_inspect", "_journal", "_catalog"})
+# What of `os` such a module may use: path arithmetic, never a call that touches a file.
+SEAM_OS_ALLOWED = frozenset({"path", "fspath", "sep", "PathLike", "sched_yield"})
+SEAM_FORBIDDEN_IMPORTS = frozenset({"io", "pathlib", "shutil", "glob", "mmap"})
+# `straw inspect --save DIR` reads a training job's save directory (the rollout layer's files
+# beside the pool, docs/ROLLOUT.md), not the pool that check and recovery read.
+SEAM_EXEMPT = frozenset({("straw", "_inspect", "save_view")})
+
+
+def test_check_and_recovery_read_only_through_the_fs_seam() -> None:
+    found: list[str] = []
+    for m in modules():
+        if m.component not in SEAM_READERS or m.parts in SEAM_EXEMPT:
+            continue
+        aliases = module_aliases(m.tree)
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                found.append(f"{m.at(node)}: builtin open(); read through straw._fs.posix")
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if aliases.get(node.value.id) == "os" and node.attr not in SEAM_OS_ALLOWED:
+                    found.append(f"{m.at(node)}: os.{node.attr}; go through straw._fs")
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.module == "os":
+                    names += [f"os.{a.name}" for a in node.names if a.name not in SEAM_OS_ALLOWED]
+                for name in names:
+                    if name.split(".")[0] in SEAM_FORBIDDEN_IMPORTS or name.startswith("os."):
+                        found.append(f"{m.at(node)}: imports {name}; go through straw._fs")
+    report(found, "file access outside the straw._fs seam in check or recovery (issue 11)")
+
+
+def test_the_seam_rule_catches_violations(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = "import os\nimport pathlib\ndef f(p):\n    os.listdir(p)\n    return open(p).read()\n"
+    fake = Module(PACKAGE / "_inspect" / "fake.py", ("straw", "_inspect", "fake"), False, ast.parse(source))
+    monkeypatch.setattr(sys.modules[__name__], "modules", lambda: (fake,))
+    with pytest.raises(pytest.fail.Exception) as failed:
+        test_check_and_recovery_read_only_through_the_fs_seam()
+    text = str(failed.value)
+    assert "builtin open()" in text and "os.listdir" in text and "imports pathlib" in text
 
 
 def test_every_module_has_a_docstring() -> None:

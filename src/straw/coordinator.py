@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._catalog.state import queue_owner
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
 from ._journal.log import Journal
+from ._queue import validate
 from ._queue.machine import (
     COMPLETED,
     LEASED,
@@ -41,6 +43,7 @@ from ._queue.machine import (
     state_from_dict,
     state_to_dict,
 )
+from ._queue.progress import parse_progress
 from .errors import (
     CorruptData,
     IndeterminateCommit,
@@ -49,7 +52,7 @@ from .errors import (
     UnsafeRecovery,
     UnsupportedSchema,
 )
-from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN, QUEUE_ID_BYTES_MAX
+from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -85,30 +88,35 @@ def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
 
 
 def _text(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if len(value.encode("utf-8")) > QUEUE_ID_BYTES_MAX:
-        raise ValueError(f"{what} is longer than {QUEUE_ID_BYTES_MAX} bytes")
-    return value
+    """An id argument: a non-empty string UTF-8 can encode, at most QUEUE_ID_BYTES_MAX bytes."""
+    return validate.text(value, what)
 
 
-def _update(update: Mapping[str, Any], call: str, *, optional_input: bool) -> dict[str, Any]:
-    """One update of ``yield_tasks`` / ``save_task_progress_many`` with its lease and input as
-    objects; callers may pass either the objects or their ``dataclasses.asdict`` forms."""
-    if not isinstance(update, Mapping):
-        raise TypeError(f"{call} takes mappings with 'lease' and 'input_ref', got {type(update).__name__}")
-    item = dict(update)
-    if "lease" not in item or (not optional_input and "input_ref" not in item):
-        raise ValueError(f"{call}: every update needs 'lease' and 'input_ref', got keys {sorted(item)}")
-    lease = item["lease"]
-    if isinstance(lease, Mapping):
-        item["lease"] = Lease.from_dict(lease)
-    elif not isinstance(lease, Lease):
-        raise TypeError(f"{call}: lease must be a Lease or its dict, got {type(lease).__name__}")
-    ref = item.get("input_ref")
-    if isinstance(ref, Mapping):
-        item["input_ref"] = RecordSetRef.from_dict(ref)
-    return item
+def _required_ref(ref: object, what: str) -> None:
+    if not isinstance(ref, RecordSetRef):
+        raise TypeError(f"{what} must be a RecordSetRef, got {type(ref).__name__}")
+
+
+def _as_objects(updates: Iterable[object]) -> Iterable[object]:
+    """Updates of ``yield_tasks`` / ``save_task_progress_many`` with ``lease`` and ``input_ref``
+    as objects: callers may pass the objects or their ``dataclasses.asdict`` forms (the peer
+    accepts both). Anything else is left for ``validate.updates`` to name."""
+    if isinstance(updates, (str, bytes, Mapping)):
+        return updates
+    out: list[object] = []
+    for update in updates:
+        if isinstance(update, Mapping):
+            item = dict(update)
+            try:
+                if isinstance(item.get("lease"), Mapping):
+                    item["lease"] = Lease.from_dict(item["lease"])
+                if isinstance(item.get("input_ref"), Mapping):
+                    item["input_ref"] = RecordSetRef.from_dict(item["input_ref"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise TypeError(f"an update's lease or input_ref dict is not one: {error!r}") from None
+            update = item
+        out.append(update)
+    return out
 
 
 @dataclass
@@ -129,11 +137,6 @@ class Acknowledged:
 
     def covers(self, position: int) -> bool:
         return position < self.cursor or position in self.positions
-
-
-def queue_owner(run_id: str, relative_directory: str) -> str:
-    """The catalog owner holding a queue's roots (docs/GC.md "Queue roots"); ``straw check`` uses it too."""
-    return "queue:" + digest([run_id, relative_directory])[:32]
 
 
 class JournalView:
@@ -174,7 +177,10 @@ class Coordinator:
         limits: Limits | None = None,
         lease_seconds: float = 300,
         clock: Callable[[], float] = time.monotonic,
+        abandon_lost_queue: bool = False,
     ) -> None:
+        """``abandon_lost_queue=True`` (ours, docs/QUEUE.md "Lost queues") lets a new queue start
+        where an earlier one lost its journal: its roots are released, never recovered."""
         started = time.perf_counter()
         if not isinstance(store, SharedFilesystemStore):
             raise TypeError(f"store must be a SharedFilesystemStore, got {type(store).__name__}")
@@ -189,6 +195,9 @@ class Coordinator:
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError(f"limits must be a straw Limits, got {type(self.limits).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self._abandon = validate.flag(abandon_lost_queue, "abandon_lost_queue")
         self.clock = clock
         self.namespace = bool(namespace)
         self.backend = store.backend
@@ -202,6 +211,7 @@ class Coordinator:
         self._viewing_durable = False  # the state was reloaded from disk after a journal failure
         self._paused: StorageUnavailable | None = None  # set when accepted data was found missing
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
+        store._ensure_catalog()  # I20: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
             self._lock_fd = self._take_lock()
@@ -214,12 +224,19 @@ class Coordinator:
         # has not yet been ended in the catalog (recorded with the next catalog write).
         self._adopted = Adoption()
         try:
-            self._owned = store._owned(self._gc_owner)
+            owned = store._owner_packs(self._gc_owner)
+            self._registered = owned is not None
+            self._owned = set(owned or ())
             self._journal = Journal(
                 self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
             )
             self._state = self._open(recover)
             self.journal = JournalView(self._journal)
+        except OSError as error:
+            lock.unlock(self._lock_fd)
+            raise posix.storage_error(
+                error, f"opening queue {self.queue_id!r} in {self.directory}"
+            ) from error
         except BaseException:
             lock.unlock(self._lock_fd)
             raise
@@ -268,46 +285,114 @@ class Coordinator:
         }
 
     def _open(self, recover: bool) -> QueueState:
+        """J1/J4: a new queue where nothing of an earlier one exists, else recovery (I21)."""
         identity_path = os.path.join(self.directory, IDENTITY_FILE)
-        exists = posix.exists(identity_path) or self._journal.exists()
-        if exists and not recover:
+        has_identity = posix.exists(identity_path)
+        has_journal = self._journal.exists()
+        if (has_identity or has_journal) and not recover and not (self._abandon and not has_journal):
             raise UnsafeRecovery(
                 f"queue {self.queue_id!r} already exists in {self.directory}; reopen it with recover=True"
             )
         limits = self._limits()
-        if not exists:
-            self._journal.create_dirs(str(self.backend.root))
+        if has_journal:
+            state = self._recover(identity_path, has_identity, limits)
+        else:
+            self._refuse_lost(has_identity)
+            state = self._create(identity_path, limits)
+        self._state = state
+        # J4.5: a new epoch, durable before serving, revokes every lease of the old one. It
+        # records the identity too, so a lost queue.json can be checked and rewritten (I21).
+        self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1, "identity": self._identity()})
+        return state
+
+    def _refuse_lost(self, has_identity: bool) -> None:
+        """I21: no journal here. A fresh queue may start only if nothing of an earlier one is left
+        (its ``queue.json``, or its owner in the catalog), or with ``abandon_lost_queue=True``."""
+        traces = []
+        if has_identity:
+            traces.append(f"{IDENTITY_FILE} of a queue whose journal (wal/, snap/) is gone")
+        if self._registered:
+            traces.append(f"catalog owner {self._gc_owner} (reaching {len(self._owned)} packs)")
+        if not traces or self._abandon:
+            return
+        raise UnsafeRecovery(
+            f"queue {self.queue_id!r} in {self.directory} has no journal, but an earlier queue there "
+            f"left {' and '.join(traces)}: its acknowledged tasks and results would be lost. Restore "
+            "the queue's files and open it with recover=True; or, to give that queue up and start a "
+            'new one, pass abandon_lost_queue=True (docs/QUEUE.md "Lost queues")'
+        )
+
+    def _create(self, identity_path: str, limits: Mapping[str, int]) -> QueueState:
+        """J1: segment 1, then the owner, then ``queue.json``: each one proves the one before (I21)."""
+        self._journal.create_dirs(str(self.backend.root))
+        self._journal.start_segment()
+        # The owner exists from the start (an empty add), so a catalog that lost it is told
+        # from a queue that never held a reference; abandoning an earlier queue releases its roots.
+        self.store._own(self._gc_owner, set(), replace=self._abandon)
+        self._registered = True
+        if self._abandon:
+            self._owned = set()
+            durable.replace_file(
+                identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
+            )
+        else:
             durable.create_file(
                 identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
             )
-            state = new_state(self.store.run_id, self.queue_id, limits)
-            self._journal.start_segment()
-        else:
-            self._check_identity(identity_path)
-            self._journal.create_dirs(str(self.backend.root))
-            state = self._replay(limits)
-            self._journal.start_segment()
-        self._state = state
-        # J4.5: a new epoch, durable before serving, revokes every lease of the old one.
-        self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1})
+        return new_state(self.store.run_id, self.queue_id, limits)
+
+    def _recover(self, identity_path: str, has_identity: bool, limits: Mapping[str, int]) -> QueueState:
+        """J4, I21: replay the journal; the identity must agree with ``queue.json`` and with what
+        the journal recorded, and the catalog must know the queue's owner."""
+        if has_identity:
+            self._check_identity(identity_path, self._read_identity(identity_path))
+        self._journal.create_dirs(str(self.backend.root))
+        state, recorded = self._replay(limits)
+        served = self._journal.last_seq > 0
+        if recorded is not None:
+            self._check_identity(identity_path, recorded, recorded=True)
+        if not has_identity:
+            if served and recorded is None:
+                raise UnsafeRecovery(
+                    f"{identity_path} is missing and the journal does not record the queue's identity "
+                    "(exclusive owner, limits): restore queue.json from a copy; refusing to recover"
+                )
+            # Crashed before queue.json became durable (nothing served), or it was lost and the
+            # journal's record of it matches this coordinator: write it again (D0).
+            durable.create_file(
+                identity_path, [encode(self._identity())], self.backend.sync_file, self.backend.sync_dir
+            )
+        if not self._registered:
+            if served:
+                raise UnsafeRecovery(
+                    f"the pool's catalog does not know owner {self._gc_owner} of queue {self.queue_id!r}, "
+                    f"whose journal holds {self._journal.last_seq} frames: the catalog lost events (a "
+                    "truncated or older copy). Run `straw check` (--fix records the queue's roots "
+                    "again; docs/CHECK.md); refusing to open"
+                )
+            self.store._own(self._gc_owner, set(), replace=False)
+            self._registered = True
+        self._journal.start_segment()
         return state
 
-    def _check_identity(self, path: str) -> None:
+    def _read_identity(self, path: str) -> dict[str, Any]:
         try:
             found = decode(posix.read_file(path))
-        except FileNotFoundError:
-            return  # crashed before the identity became durable: nothing was ever served
         except OSError as error:
             raise posix.storage_error(error, f"reading {path}") from error
         if not isinstance(found, dict) or found.get("format") != QUEUE_FORMAT:
             raise CorruptData(f"{path} is not a straw queue identity file")
         if found.get("version") != QUEUE_VERSION:
             raise UnsupportedSchema(f"queue format version {found.get('version')!r} is not supported")
+        return found
+
+    def _check_identity(self, path: str, found: Mapping[str, Any], *, recorded: bool = False) -> None:
+        where = "its journal recorded" if recorded else f"{os.path.basename(path)} says"
         wanted = self._identity()
         for key in ("run_id", "queue_id", "limits"):
             if found.get(key) != wanted[key]:
                 raise UnsafeRecovery(
-                    f"queue in {self.directory} was created with {key}={found.get(key)!r}, "
+                    f"queue in {self.directory} was created with {key}={found.get(key)!r} ({where}), "
                     f"this coordinator has {key}={wanted[key]!r}; refusing to recover another identity"
                 )
         if found.get("exclusive_owner") != wanted["exclusive_owner"]:
@@ -327,14 +412,23 @@ class Coordinator:
 
     def _replay(
         self, limits: Mapping[str, int], journal: Journal | None = None, upto: int | None = None
-    ) -> QueueState:
+    ) -> tuple[QueueState, dict[str, Any] | None]:
+        """The state after the journal's last durable frame (or frame ``upto``, read-only from
+        ``journal``), and the identity it last recorded."""
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
+        identity: list[dict[str, Any] | None] = [None]
 
         def apply(seq: int, body: bytes) -> None:
-            holder[0].apply(decode(body))
+            event = decode(body)
+            if event.get("op") == "epoch" and isinstance(event.get("identity"), dict):
+                identity[0] = event["identity"]
+            holder[0].apply(event)
 
         def load(body: bytes) -> None:
-            holder[0] = state_from_dict(decode(body), limits)
+            data = decode(body)
+            found = data.get("identity") if isinstance(data, dict) else None
+            identity[0] = found if isinstance(found, dict) else None
+            holder[0] = state_from_dict(data, limits)
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
@@ -347,7 +441,7 @@ class Coordinator:
                 gc.enable()
         if upto is None:
             self.truncated_tail = recovered.truncated
-        return holder[0]
+        return holder[0], identity[0]
 
     def _durable_view(self) -> None:
         """After a journal failure (lock held): views answer the durable state, not calls that were
@@ -358,7 +452,7 @@ class Coordinator:
             self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
         )
         try:
-            self._state = self._replay(self._limits(), reader, self._journal.durable_seq)
+            self._state, _ = self._replay(self._limits(), reader, self._journal.durable_seq)
         except Exception as error:
             raise UnsafeRecovery(
                 f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r} and its durable "
@@ -412,8 +506,9 @@ class Coordinator:
 
     def _journal_locked(self, event: Event) -> int:
         """Append one transaction and apply it (lock held); its reply is ``_last_reply``."""
+        body = journal_body(event)  # an event that cannot be encoded journals nothing, breaks nothing
         try:
-            seq = self._journal.append(journal_body(event))
+            seq = self._journal.append(body)
             self._last_reply = self._state.apply(event)
         except BaseException as error:
             self._broken = error
@@ -421,6 +516,7 @@ class Coordinator:
         return seq
 
     def _wait_durable(self, seq: int) -> None:
+        """Wait until frame ``seq`` is durable; a journal failure stops the coordinator (J3)."""
         try:
             self._journal.wait(seq)
         except OSError as error:
@@ -460,19 +556,30 @@ class Coordinator:
                 return read()
             value = read()
             seq = self._journal.last_seq
-        self._journal.wait(seq)
+        self._wait_durable(seq)
         return value
 
     def _maybe_snapshot(self) -> None:
         journal = self._journal
         if journal.bytes_since_snapshot < max(JOURNAL_SNAPSHOT_BYTES_MIN, journal.snapshot_bytes):
             return
-        self._snapshot_locked()
+        try:
+            self._snapshot_locked()
+        except OSError as error:
+            # Before the snapshot is durable nothing changed: the call is refused and the next
+            # one tries again. A failure after it (starting the next segment) stops the
+            # coordinator like a failed journal write (J3); recovery continues from the files.
+            self._counters["snapshots_failed"] += 1
+            if self._journal.failed is not None:
+                self._broken = error
+            raise posix.storage_error(error, f"writing a snapshot of queue {self.queue_id!r}") from error
 
     def _snapshot_locked(self) -> None:
         """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
         self._journal.wait(self._journal.last_seq)
-        self._journal.write_snapshot(encode(state_to_dict(self._state)))
+        body = state_to_dict(self._state)
+        body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
+        self._journal.write_snapshot(encode(body))
 
     def _new_id(self) -> str:
         # Ids (attempts, lease tokens, commits) must be unique, not secret: whoever can read the
@@ -491,8 +598,10 @@ class Coordinator:
         producer_state: Any = None,
     ) -> list[str]:
         """Add tasks atomically (with the producer's new state); a repeated request returns the same ids."""
-        specs = list(tasks)
-        packs, adopted = self._verify_inputs(spec.input_ref for spec in specs if isinstance(spec, TaskSpec))
+        _text(request_id, "request_id")
+        specs = self._check_specs(tasks)
+        validate.producer(producer_id, producer_state)
+        packs, adopted = self._verify_inputs(spec.input_ref for spec in specs)
         return list(
             self._commit(
                 lambda: self._state.check_submit(request_id, specs, producer_id, producer_state),
@@ -500,6 +609,20 @@ class Coordinator:
                 adopted,
             )
         )
+
+    def _check_specs(self, tasks: Iterable[TaskSpec]) -> list[TaskSpec]:
+        """Task specs whose ids and metadata survive the journal (docs/QUEUE.md "Arguments")."""
+        if isinstance(tasks, (str, bytes, TaskSpec)) or not isinstance(tasks, Iterable):
+            raise TypeError(f"submit_tasks takes a list of TaskSpec objects, got {type(tasks).__name__}")
+        specs = list(tasks)
+        for spec in specs:
+            if not isinstance(spec, TaskSpec):
+                raise TypeError(f"submit_tasks takes TaskSpec objects, got {type(spec).__name__}")
+            _text(spec.task_id, "task_id")
+            if not isinstance(spec.metadata, dict):
+                raise TypeError(f"task {spec.task_id!r}: metadata must be a dict")
+            validate.json_value(spec.metadata, f"task {spec.task_id!r} metadata", self.limits.metadata_bytes)
+        return specs
 
     def producer_state(self, producer_id: str) -> Any:
         return self._query(lambda: self._state.producers.get(producer_id))
@@ -514,6 +637,9 @@ class Coordinator:
         control: bool = False,
     ) -> AcquireResult:
         """Lease up to ``max_tasks`` tasks in priority / scheduling-key / FIFO order (one transaction)."""
+        _text(worker_id, "worker_id")
+        if task_prefix is not None:
+            _text(task_prefix, "task_prefix")
         ids = list(task_ids) if task_ids is not None and not isinstance(task_ids, str) else task_ids
         if self._paused is not None:
             raise StorageUnavailable(
@@ -539,7 +665,7 @@ class Coordinator:
         Heartbeats are not journaled: recovery revokes every lease, so deadlines
         never need to survive a crash (docs/DURABILITY.md J6).
         """
-        items = list(leases)
+        items = validate.leases(leases, "heartbeat")
         with self._lock:
             self._usable()
             return self._state.heartbeat(items, self.clock(), self.lease_seconds)
@@ -549,6 +675,10 @@ class Coordinator:
     ) -> CommitReceipt:
         """Accept a result for a leased attempt at the next position; retries return the original receipt."""
         _text(submission_id, "submission_id")
+        if not isinstance(lease, Lease):
+            raise TypeError(f"complete_task takes a Lease, got {type(lease).__name__}")
+        if not isinstance(result_digest, str):
+            raise TypeError(f"result_digest must be a string, got {type(result_digest).__name__}")
         with self._lock:
             self._usable()
             if not isinstance(result_ref, RecordSetRef):
@@ -595,12 +725,17 @@ class Coordinator:
 
     def fail_task(self, lease: Lease, *, request_id: str, failure: str, retryable: bool = True) -> str:
         """Spend an attempt; the task is pending again, or ``failed`` when attempts run out."""
+        _text(request_id, "request_id")
+        validate.failure(failure, retryable)
+        if not isinstance(lease, Lease):
+            raise TypeError(f"fail_task takes a Lease, got {type(lease).__name__}")
         now = self.clock()
         return str(self._commit(lambda: self._state.check_fail(lease, request_id, failure, retryable, now)))
 
     def release_tasks(self, leases: Iterable[Lease], *, request_id: str) -> list[str]:
         """Give leased tasks back without spending an attempt (stale leases are reported, not fatal)."""
-        items = list(leases)
+        _text(request_id, "request_id")
+        items = validate.leases(leases, "release_tasks")
         now = self.clock()
         return list(self._commit(lambda: self._state.check_release(items, request_id, now)))
 
@@ -614,7 +749,11 @@ class Coordinator:
         Each update's ``lease`` and ``input_ref`` may be the objects or their ``asdict`` forms.
         Answers ``"pending"`` (every task is pending again), as the API contract's peer does.
         """
-        items = [_update(u, "yield_tasks", optional_input=True) for u in updates]
+        _text(request_id, "request_id")
+        items = validate.updates(_as_objects(updates), "yield_tasks", validate.YIELD_KEYS, ("lease",))
+        for item in items:
+            if item.get("metadata") is not None:
+                validate.json_value(item["metadata"], "yield metadata", self.limits.metadata_bytes)
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
         self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted)
@@ -626,7 +765,10 @@ class Coordinator:
 
     def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> str:
         """All-or-nothing :meth:`save_task_progress` of many leases (objects or ``asdict`` forms)."""
-        items = [_update(u, "save_task_progress_many", optional_input=False) for u in updates]
+        _text(request_id, "request_id")
+        items = validate.updates(
+            _as_objects(updates), "save_task_progress_many", validate.PROGRESS_KEYS, ("lease", "input_ref")
+        )
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
         self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted)
@@ -652,10 +794,13 @@ class Coordinator:
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
+        _text(request_id, "request_id")
+        _text(task_id, "task_id")
         return str(self._commit(lambda: self._state.check_cancel(task_id, request_id)))
 
     def seal_input(self, request_id: str) -> bool:
         """No more tasks will be submitted; ``acquire`` answers ``end_of_input`` once all are done."""
+        _text(request_id, "request_id")
         return bool(self._commit(lambda: self._state.check_seal(request_id)))
 
     def task_status(self, task_id: str) -> dict[str, Any] | None:
@@ -707,7 +852,7 @@ class Coordinator:
         return tuple(self._query(lambda: list(self._state.reads.values())))
 
     def release_task_reads(self, leases: Iterable[Lease]) -> int:
-        items = list(leases)
+        items = validate.leases(leases, "release_task_reads")
         return int(self._commit(lambda: self._state.check_release_reads(items)))
 
     def retire_worker(self, worker_id: str) -> list[dict[str, Any]]:
@@ -718,6 +863,8 @@ class Coordinator:
     # ------------------------------------------------------------------ consumers and batches
 
     def open_consumer(self, consumer_id: str, *, exclusive_owner: str) -> str:
+        _text(consumer_id, "consumer_id")
+        _text(exclusive_owner, "exclusive_owner")
         token = self._new_id()
         return str(self._commit(lambda: self._state.check_open_consumer(consumer_id, exclusive_owner, token)))
 
@@ -752,8 +899,12 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
+        _text(consumer_id, "consumer_id")
+        _text(request_id, "request_id")
+        _required_ref(state_ref, "state_ref")
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         packs, adopted = self._verify_inputs([state_ref, progress_ref])
+        self._check_progress(consumer_id, progress_ref)
         acked, verified, history = self._rewind(consumer_id, state)
         return dict(
             self._commit(
@@ -764,6 +915,15 @@ class Coordinator:
                 adopted,
             )
         )
+
+    def _check_progress(self, consumer_id: str, progress_ref: RecordSetRef | None) -> None:
+        """The training consumer's progress record must parse (GC reads it on every collection)."""
+        if consumer_id != TRAINING or progress_ref is None:
+            return
+        try:
+            parse_progress(list(self.store.read(progress_ref)))
+        except UnsupportedSchema as error:
+            raise UnsupportedSchema(f"progress_ref of consumer {TRAINING!r}: {error}") from None
 
     def _rewind(
         self, consumer_id: str, state: Mapping[str, Any]
@@ -813,7 +973,13 @@ class Coordinator:
         input_positions: Sequence[int],
         plan_ref: RecordSetRef,
     ) -> dict[str, Any]:
+        _text(consumer_id, "consumer_id")
         _text(batch_id, "batch_id")
+        _required_ref(plan_ref, "plan_ref")
+        if isinstance(input_positions, (str, bytes)) or not isinstance(input_positions, Iterable):
+            raise TypeError(
+                f"input_positions must be a list of positions, got {type(input_positions).__name__}"
+            )
         packs, adopted = self._verify_inputs([plan_ref])
         batch = {
             "batch_id": batch_id,
@@ -837,7 +1003,12 @@ class Coordinator:
         processed_cursor: int,
         progress_ref: RecordSetRef | None = None,
     ) -> dict[str, Any]:
+        _text(consumer_id, "consumer_id")
+        _text(batch_id, "batch_id")
+        _required_ref(ready_ref, "ready_ref")
+        _required_ref(state_ref, "state_ref")
         packs, adopted = self._verify_inputs([ready_ref, state_ref, progress_ref])
+        self._check_progress(consumer_id, progress_ref)
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
         acked, verified, history = self._rewind(consumer_id, state)
@@ -861,6 +1032,7 @@ class Coordinator:
     def register_checkpoint(self, checkpoint_id: str, checkpoint_ref: RecordSetRef) -> dict[str, Any]:
         """Record a training checkpoint's reference; it is a GC root until released."""
         _text(checkpoint_id, "checkpoint_id")
+        _required_ref(checkpoint_ref, "checkpoint_ref")
         packs, adopted = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
         batches = self._checkpointed_batches(checkpoint_ref)
@@ -899,6 +1071,8 @@ class Coordinator:
         return [str(b) for b in ids] if isinstance(ids, list) else []
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
+        _text(checkpoint_id, "checkpoint_id")
+
         def check() -> Event | Answer:
             if checkpoint_id not in self._state.checkpoints:
                 return Answer(False)
@@ -917,14 +1091,9 @@ class Coordinator:
         progress = state.get("progress_ref")
         if progress is None:
             return Acknowledged(cursor, frozenset(), frozenset())
-        records = list(self.store.read(RecordSetRef.from_dict(progress)))
-        body = decode(records[0].payload) if len(records) == 1 else None
-        if not isinstance(body, dict) or body.get("version") != 1:
-            raise UnsupportedSchema(
-                "progress_ref must be one json.v1 record {version: 1, processed_positions, finished_batches}"
-            )
-        positions = frozenset(int(p) for p in body.get("processed_positions", []) if int(p) >= cursor)
-        finished = frozenset(str(b) for b in body.get("finished_batches", []))
+        found, done = parse_progress(list(self.store.read(RecordSetRef.from_dict(progress))))
+        positions = frozenset(p for p in found if p >= cursor)
+        finished = frozenset(done)
         return Acknowledged(cursor, positions, finished)
 
     def _acknowledgements(self) -> Acknowledged:
@@ -1059,6 +1228,11 @@ class Coordinator:
                 # Adoptions whose staging is not yet ended in the catalog (they were durable).
                 self.store._end_staging(self._adopted)
                 self._adopted = Adoption()
+            except OSError as error:
+                # The journal holds every acknowledged call whatever the snapshot's fate (J5):
+                # reopening with recover=True replays it. The caller still learns why.
+                self._counters["snapshots_failed"] += 1
+                raise posix.storage_error(error, f"closing queue {self.queue_id!r}") from error
             finally:
                 self._journal.close()
                 lock.unlock(self._lock_fd)

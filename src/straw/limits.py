@@ -116,8 +116,9 @@ KIND_BYTES_MAX = 256
 #: forgetting costs one stat per attached pool on the next read of that writer's packs).
 WRITERS_CACHED_MAX = 65536
 
-#: Deepest nesting of containers the codec stores or reads. Samples nest a few levels;
-#: the bound keeps encoding and decoding far from Python's recursion limit.
+#: Deepest nesting of containers the codec stores or reads, and of JSON values the queue
+#: journals (metadata, producer states). Samples nest a few levels; the bound keeps encoding
+#: and decoding far from Python's recursion limit.
 NESTING_DEPTH_MAX = 100
 
 #: Largest byte string kept inside the codec's JSON document (base64); longer ones become records.
@@ -154,6 +155,20 @@ CATALOG_COMPACT_BYTES_MIN = 16 * MiB
 #: blocks, so each fdatasync flushes data without committing a size change.
 JOURNAL_PREALLOC_BYTES = 4 * MiB
 
+#: Zero bytes the newest file of a log (a journal's last segment, the catalog log) always
+#: holds after its last frame (DURABILITY.md J7): the zeros ahead of an append are written and
+#: synced before it, so a file that ends with fewer was cut short, which no crash can do.
+#: 64 is one frame header: frame headers and JSON bodies never hold that many zeros in a row.
+LOG_END_ZEROS_MIN = 64
+
+#: Zeros a clean close keeps after the last frame of a log (the rest of the space written
+#: ahead is cut): comfortably more than LOG_END_ZEROS_MIN, one page.
+LOG_CLOSE_ZEROS = 4 * KiB
+
+#: Zeros written ahead of the catalog log's frames (J7, G3): small, because every catalog
+#: client reads the log from its last position to the end of the file when it takes the lock.
+CATALOG_PREALLOC_BYTES = 64 * KiB
+
 #: Journal syncs allowed in flight at once (J2.4). Two lets the next batch be written and
 #: synced while the previous batch's sync runs; fdatasync calls on one file overlap in the
 #: kernel, so a caller waits about one sync instead of one and a half.
@@ -173,7 +188,19 @@ RPC_REQUEST_BYTES_MAX = 256 * MiB
 #: Seconds a control-transport connection may stay silent before the server drops it.
 RPC_SOCKET_SECONDS = 30.0
 
-#: Longest queue, worker, consumer, request or submission id in UTF-8 bytes.
+#: Longest queue, task, worker, producer, consumer, batch, checkpoint, request or submission
+#: id in UTF-8 bytes. Ids are names: each is journaled and repeated in snapshots.
 QUEUE_ID_BYTES_MAX = 1 * KiB
 
+#: Largest canonical-JSON producer state (``submit_tasks(producer_state=...)``): a dataset
+#: cursor, not a dataset. Journaled with its submit and copied into every snapshot.
+PRODUCER_STATE_BYTES_MAX = 1 * MiB
+
+#: Longest ``fail_task`` failure text in UTF-8 bytes: a reason, kept with the task for good.
+FAILURE_BYTES_MAX = 64 * KiB
+
 invariant(1 * MiB <= JOURNAL_SNAPSHOT_BYTES_MIN, "snapshots are not taken after every few calls")
+invariant(
+    LOG_END_ZEROS_MIN <= LOG_CLOSE_ZEROS < CATALOG_PREALLOC_BYTES // 2, "a closed log keeps its end zeros"
+)
+invariant(2 * LOG_CLOSE_ZEROS <= JOURNAL_PREALLOC_BYTES, "zeros written ahead cover the end zeros")

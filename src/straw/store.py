@@ -41,11 +41,13 @@ from .errors import (
     QueueError,
     ResourceLimitExceeded,
     StorageUnavailable,
+    UnsafeRecovery,
     UnsupportedSchema,
     WriterBusy,
     invariant,
 )
 from .limits import (
+    ADOPTIONS_PENDING_MAX,
     BUFFER_BYTES_MAX_DEFAULT,
     CODEC_NAME_BYTES_MAX,
     DEPENDENCIES_MAX,
@@ -479,10 +481,25 @@ def _flat_view(payload: object, record_id: str) -> memoryview:
     return view.cast("B")
 
 
+def _check_root(root: object) -> None:
+    """A pool root is a non-empty path: ``""`` would make a pool in the current directory."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path, got {type(root).__name__}")
+    text = os.fspath(root)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"root must name the pool's directory, got {text!r}")
+
+
 def _check_text(value: object, what: str, limit: int) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if len(value.encode("utf-8")) > limit:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}"[:300])
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} is not valid Unicode text (a lone surrogate at character {error.start})"
+        ) from None
+    if size > limit:
         raise ResourceLimitExceeded(f"{what} is longer than {limit} bytes")
     return value
 
@@ -526,6 +543,7 @@ class SharedFilesystemStore:
         online_gc: bool = False,
     ) -> None:
         self.run_id = _check_text(run_id, "run_id", RUN_ID_BYTES_MAX)
+        _check_root(root)
         if backend is None:
             backend = FilesystemBackend(root)
         elif os.path.abspath(os.fspath(root)) != str(backend.root):
@@ -537,8 +555,14 @@ class SharedFilesystemStore:
         for name, value in (("max_record_bytes", max_record_bytes), ("max_buffer_bytes", max_buffer_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(segment_target_bytes, int) or segment_target_bytes < 0:
-            raise ValueError(f"segment_target_bytes must be >= 0, got {segment_target_bytes!r}")
+        if (
+            not isinstance(segment_target_bytes, int)
+            or isinstance(segment_target_bytes, bool)
+            or segment_target_bytes < 0
+        ):
+            raise ValueError(
+                f"segment_target_bytes must be a non-negative integer, got {segment_target_bytes!r}"
+            )
         self.max_record_bytes = max_record_bytes
         self.max_buffer_bytes = max_buffer_bytes
         #: Records (manifests included) one write may hold; callers that split large batches
@@ -551,6 +575,9 @@ class SharedFilesystemStore:
         self._open_pool()
         self._writer = PackWriter(backend, self.run_id, self.writer_id, segment_target_bytes)
         self._catalog = Catalog(backend)
+        self._catalog_ready = False
+        with contextlib.suppress(QueueError):
+            self._ensure_catalog()  # early, where it can; a failure here is met again at the first write
         if self.online_gc:
             # docs/GC.md: with online GC the writer records every sealed pack and its extents,
             # so released data becomes collectable while the writer still lives.
@@ -560,6 +587,10 @@ class SharedFilesystemStore:
         self._lock = threading.Lock()
         self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
         self._pending: _Pending | None = None
+        # Staging ends released with defer=True, written with this store's next catalog frame
+        # (docs/DURABILITY.md G6.2); guarded by its own lock, taken inside the catalog's.
+        self._deferred = Adoption()
+        self._deferred_lock = threading.Lock()
         self._local = threading.local()
         self._sessions: list[ReadSession] = []
         self._counts = {
@@ -836,6 +867,7 @@ class SharedFilesystemStore:
             pending = self._pending
             if pending is not None:
                 return cast(R, self._resolve_pending(pending, submission_id, remembered))
+            self._ensure_catalog()
             began, written_before = time.perf_counter(), self._writer.bytes_written
             try:
                 segment = self._writer.write(entries, submission_id, manifests)
@@ -940,7 +972,10 @@ class SharedFilesystemStore:
         """Seal and release the writer; reads through this object stay possible until GC."""
         with self._lock:
             try:
-                self._writer.close()
+                try:
+                    self._flush_deferred()  # G6.2; if it fails, the writer's death ends them (G5)
+                finally:
+                    self._writer.close()
             except OSError as error:
                 raise posix.storage_error(error, "closing the writer") from error
             finally:
@@ -950,11 +985,26 @@ class SharedFilesystemStore:
 
     # -- lifetime (API.md sections 5 and 8; docs/GC.md) ----------------------------------------
 
+    def _ensure_catalog(self) -> None:
+        """I20: the pool's catalog exists before this store creates anything under ``raw/``
+        (and a coordinator before its queue directory), so a pool that holds writers or
+        queues but no catalog has lost it, and every catalog call then fails closed."""
+        if self._catalog_ready:
+            return
+        if not posix.exists(self._catalog.path):
+            try:
+                with self._catalog.locked():
+                    pass  # creates the log in a pool that never had one
+            except UnsafeRecovery:
+                # The pool lost its catalog: nothing here may recreate it (that would drop every
+                # owner). Writing new packs stays possible; every catalog call fails closed.
+                return
+        self._catalog_ready = True
+
     def _record_seal(self, relative: str, extents: dict[int, list[int]]) -> None:
         with self._catalog.locked() as catalog:
-            catalog.append(
-                [{"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}]
-            )
+            seal = {"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}
+            catalog.append([seal, *self._take_deferred(catalog)])
 
     def validate_reach(
         self, ref: RecordSetRef, *, task_id: str, attempt_id: str, adoption: Adoption | None = None
@@ -1055,13 +1105,13 @@ class SharedFilesystemStore:
             events = [{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}]
             if adopted:
                 events += self._unstage_events(catalog, adopted)
-            catalog.append(events)
+            catalog.append(events + self._take_deferred(catalog))
 
     def _end_staging(self, adopted: Adoption) -> None:
         """Record that an owner took these publications over (docs/GC.md "Queue adoption")."""
         if adopted:
             with self._catalog.locked() as catalog:
-                catalog.append(self._unstage_events(catalog, adopted))
+                catalog.append(self._unstage_events(catalog, adopted) + self._take_deferred(catalog))
 
     @staticmethod
     def _unstage_events(catalog: Catalog, adopted: Adoption) -> list[dict[str, Any]]:
@@ -1072,6 +1122,27 @@ class SharedFilesystemStore:
         events += [{"op": "release", "owner": o} for o in sorted(adopted.owners) if o in owners]
         return events
 
+    def _take_deferred(self, catalog: Catalog) -> list[dict[str, Any]]:
+        """G6.2: the staging ends released with ``defer=True`` so far, as events of the frame
+        being written (with the catalog lock held). Items of packs already tombstoned are
+        dropped: an owner took them over and they were collected, nothing is staged there.
+        If that frame fails, they are lost, which retains too much, never too little."""
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, Adoption()
+        if not deferred:
+            return []
+        gone = catalog.state.tombstones
+        deferred.items = {item for item in deferred.items if item[0] not in gone}
+        return self._unstage_events(catalog, deferred)
+
+    def _flush_deferred(self) -> None:
+        """Write the deferred staging ends now (before this store reads the catalog's state)."""
+        with self._deferred_lock:
+            if not self._deferred:
+                return
+        with self._catalog.locked() as catalog:
+            catalog.append(self._take_deferred(catalog))
+
     def _reach_live(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
         """``reach``, but data already collected is named as such (not as "not visible")."""
         items = list(refs)
@@ -1079,6 +1150,7 @@ class SharedFilesystemStore:
             if not isinstance(ref, (RecordSetRef, RecordRef)):
                 raise TypeError(f"expected a RecordSetRef or RecordRef, got {type(ref).__name__}")
         direct = {r.manifest.segment.path if isinstance(r, RecordSetRef) else r.segment.path for r in items}
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             gone = sorted(direct & catalog.state.tombstones)
         if gone:
@@ -1100,7 +1172,7 @@ class SharedFilesystemStore:
         with self._catalog.locked() as catalog:
             if owner not in catalog.state.owners:
                 raise KeyError(f"unknown owner {owner!r}: it was never retained or is already released")
-            catalog.append([{"op": "release", "owner": owner}])
+            catalog.append([{"op": "release", "owner": owner}, *self._take_deferred(catalog)])
 
     def _staging_owner(self, writer: str, submission_id: str, ordinal: int) -> str:
         return f"staging:{writer}:{digest(submission_id)[:32]}:{ordinal}"
@@ -1123,15 +1195,20 @@ class SharedFilesystemStore:
                         f"a dependency in {gone[0]} was garbage-collected (reclaimed); republish it"
                     )
                 events.append({"op": "retain", "owner": owner, "packs": sorted(packs)})
-            catalog.append(events)
+            catalog.append(events + self._take_deferred(catalog))
 
-    def release_publications(self, refs: Iterable[RecordSetRef]) -> None:
+    def release_publications(self, refs: Iterable[RecordSetRef], *, defer: bool = False) -> None:
         """End the staging of publications (they stay alive only through owners from now on).
 
         Records written by ``write_records`` stay staged with their writer (another record
-        set may still name them); see docs/GC.md.
+        set may still name them); see docs/GC.md. With ``defer=True`` the end is written with
+        this store's next catalog frame instead of one of its own (docs/DURABILITY.md G6.2):
+        for publications an owner has already taken over, whose staging only makes them
+        collectable a little sooner.
         """
-        session = self._session()
+        # It returns no bytes, so, like completion validation, it may trust the index frames
+        # this process wrote (docs/DURABILITY.md D5): a writer releases what it just wrote.
+        session = self._session(shared=True)
         items: set[tuple[str, int, int]] = set()
         owners: set[str] = set()
         for ref in refs:
@@ -1144,11 +1221,19 @@ class SharedFilesystemStore:
             owners.add(
                 self._staging_owner(writer_of(segment.path), index.submission_id, ref.manifest.ordinal)
             )
-        if items:
-            with self._catalog.locked() as catalog:
-                events: list[dict[str, Any]] = [{"op": "unstage", "items": [list(x) for x in sorted(items)]}]
-                events += [{"op": "release", "owner": o} for o in sorted(owners) if o in catalog.state.owners]
-                catalog.append(events)
+        if not items:
+            return
+        if defer:
+            with self._deferred_lock:
+                self._deferred.update(Adoption(items, owners))
+                due = len(self._deferred.items) + len(self._deferred.owners) >= ADOPTIONS_PENDING_MAX
+            if due:
+                self._flush_deferred()
+            return
+        with self._catalog.locked() as catalog:
+            events: list[dict[str, Any]] = [{"op": "unstage", "items": [list(x) for x in sorted(items)]}]
+            events += [{"op": "release", "owner": o} for o in sorted(owners) if o in catalog.state.owners]
+            catalog.append(events + self._take_deferred(catalog))
 
     @contextlib.contextmanager
     def pin(self, refs: Iterable[RecordSetRef | RecordRef], *, owner: str | None = None) -> Iterator[str]:
@@ -1163,6 +1248,7 @@ class SharedFilesystemStore:
     def collect_garbage(self) -> dict[str, Any]:
         """Reclaim sealed packs that no owner reaches and whose staging is over (G4, G5)."""
         try:
+            self._flush_deferred()
             return gc.collect(
                 self._catalog, self.backend, self.writer_id if not self._writer.closed else None
             )
@@ -1171,9 +1257,13 @@ class SharedFilesystemStore:
 
     def explain(self, pack: str) -> dict[str, Any]:
         """Why a pack (``raw/<writer>/<segment>.pack``) is kept: its owners, seal and staging."""
+        if not isinstance(pack, str):
+            raise TypeError(f"explain takes a pool-relative pack path, got {type(pack).__name__}")
+        path = self.backend.resolve(pack)  # refuses empty, absolute and escaping paths first
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             answer = catalog.state.why(pack)
-        answer["exists"] = posix.exists(self.backend.resolve(pack))
+        answer["exists"] = posix.exists(path)
         return answer
 
     def unowned(self, packs: Iterable[str]) -> set[str]:
@@ -1192,12 +1282,20 @@ class SharedFilesystemStore:
         """
         if not isinstance(prefix, str):
             raise TypeError(f"owners() takes a text prefix, got {type(prefix).__name__}")
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             return sorted(name for name in catalog.state.owners if name.startswith(prefix))
 
     def _owned(self, owner: str) -> set[str]:
+        self._flush_deferred()
         with self._catalog.locked() as catalog:
             return set(catalog.state.owners.get(owner, set()))
+
+    def _owner_packs(self, owner: str) -> set[str] | None:
+        """The packs ``owner`` reaches, or None when the catalog does not know it."""
+        with self._catalog.locked() as catalog:
+            packs = catalog.state.owners.get(owner)
+            return set(packs) if packs is not None else None
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -391,10 +391,11 @@ def test_release_publications_in_chunks(make_config: MakeConfig, monkeypatch: py
     calls: list[int] = []
     original = store.release_publications
 
-    def counted(items: Any) -> None:
+    def counted(items: Any, **options: Any) -> None:
         items = list(items)
         calls.append(len(items))
-        original(items)
+        assert options == {"defer": True}  # the owner holds them: the end rides a later frame
+        original(items, **options)
 
     monkeypatch.setattr(store, "release_publications", counted)
     release_publications(config, [*refs[:150], None, *(r.manifest for r in refs[150:])])

@@ -41,6 +41,7 @@ from typing import Any
 
 import straw._journal.log as journal_log
 import straw._pack.writer as pack_writer
+from sim import damage as sim_damage
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw._fs.system import installed
 from straw.backend import FilesystemBackend
@@ -206,6 +207,7 @@ class Simulation:
             (1, self._check_live),
             (1, self._register_checkpoint),
             (1, self._release_checkpoint),
+            (1, self._damage),
         ]
         op = self.rng.choices([f for _, f in ops], weights=[w for w, _ in ops])[0]
         roll = self.rng.random()
@@ -214,7 +216,7 @@ class Simulation:
             return
         if roll < 0.12:
             self.fs.fail_after(self.rng.randint(1, 12))
-        elif roll < 0.24 and op not in (self._check_live, self._advance):
+        elif roll < 0.24 and op not in (self._check_live, self._advance, self._damage):
             self.fs.fail_after(None)  # one fault at a time: the error's aftermath runs outside the op
             self._arm_error()
         fired = len(self.fs.injected)
@@ -518,6 +520,23 @@ class Simulation:
         self._note(f"clock +{step}")
 
     # ------------------------------------------------------------------ checks
+
+    def _damage(self) -> None:
+        """Issue 11: power off, damage one metadata file of a copy of the disk, check the outcomes
+        there (tests/sim/damage.py); the run goes on from the undamaged disk."""
+        self.fs.fail_after(None)
+        self._note("DAMAGE STEP: power loss, then damage a copy of the disk")
+        self._reboot()
+        refs = {f"pub{i}": (p.ref, p.payload) for i, p in enumerate(self.model.required())}
+        refs.update(
+            {f"result-{t}": (r.result_ref, payload) for t, (r, payload) in self.model.receipts.items()}
+        )
+        try:
+            note = sim_damage.assess(self.fs, ROOT, RUN, self.rng, refs)
+        except AssertionError as error:
+            self._fail(str(error), error)
+        self._note(f"  {note}")
+        self._reopen()
 
     def _check_live(self) -> None:
         self._note("check (no crash)")

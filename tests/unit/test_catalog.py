@@ -9,8 +9,9 @@
 * ``to_dict``/``from_dict`` round trip through canonical JSON keeps every field and decision.
 * ``Catalog`` (the log, G1-G3): two catalogs of one pool exclude each other (``flock`` on two
   descriptors of one process) and see each other's frames after ``locked()``; a torn final
-  frame, cut at every byte, is truncated by the next lock holder and earlier events survive;
-  a flipped bit in a complete frame is ``CorruptData`` and nothing of it is applied; a fault at
+  frame (every byte prefix, followed by the zeros written ahead) is zeroed by the next lock
+  holder and earlier events survive; a log cut short anywhere (J7) and a flipped bit in a
+  complete frame are ``CorruptData`` and nothing of them is applied or changed; a fault at
   each catalog phase leaves every event of the frame either present or absent for a fresh reader.
 """
 
@@ -31,6 +32,7 @@ from straw._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, CatalogState, 
 from straw._journal import frame
 from straw.backend import PEER_PHASES, FilesystemBackend
 from straw.errors import CorruptData, InvariantViolation, StorageUnavailable, UnsafeRecovery
+from straw.limits import CATALOG_PREALLOC_BYTES
 from straw.protocol import decode, encode
 
 W1 = "a" * 32
@@ -331,21 +333,23 @@ def _frames(path: Path) -> list[list[dict[str, Any]]]:
     while True:
         verdict = frame.classify(data, at, seq, chain)
         if verdict.decision is not frame.Decision.FRAME or verdict.frame is None:
-            assert verdict.decision is frame.Decision.END, verdict.reason
+            assert not data[at:].strip(b"\0"), verdict.reason  # the zeros written ahead (J7)
             return out
         out.append(decode(verdict.frame.body)["events"])
         at, seq, chain = verdict.frame.end, seq + 1, verdict.frame.chain
 
 
-def test_first_lock_creates_the_log_with_only_its_header(pool: Path) -> None:
+def test_first_lock_creates_the_log_with_its_header_and_zeros_ahead(pool: Path) -> None:
     catalog = _catalog(pool)
     with catalog.locked() as cat:
         assert cat is catalog
         assert cat.state.to_dict() == CatalogState().to_dict()
     log = pool / "catalog" / "log"
-    assert log.stat().st_size == frame.SEGMENT_HEADER_BYTES
+    data = log.read_bytes()
+    assert len(data) == frame.SEGMENT_HEADER_BYTES + CATALOG_PREALLOC_BYTES
+    assert not data[frame.SEGMENT_HEADER_BYTES :].strip(b"\0")  # J7: zeros ahead of the frames
     assert (pool / "catalog" / "LOCK").exists()
-    assert catalog.size() == frame.SEGMENT_HEADER_BYTES
+    assert catalog.end == frame.SEGMENT_HEADER_BYTES
     assert _frames(log) == []
     catalog.close()
 
@@ -365,7 +369,8 @@ def test_empty_append_writes_nothing(pool: Path) -> None:
     catalog = _catalog(pool)
     with catalog.locked() as cat:
         cat.append([])
-    assert catalog.size() == frame.SEGMENT_HEADER_BYTES
+    assert catalog.end == frame.SEGMENT_HEADER_BYTES
+    assert catalog.size() == frame.SEGMENT_HEADER_BYTES + CATALOG_PREALLOC_BYTES
     assert catalog.metrics["appends"] == 0
     catalog.close()
 
@@ -417,24 +422,26 @@ def _log_with_last_frame(pool: Path) -> tuple[Path, int, int]:
     catalog = _catalog(pool)
     _append(catalog, {"op": "retain", "owner": "early", "packs": [P1]})
     _append(catalog, {"op": "seal", "pack": P1, "extents": {"154": [0]}})
-    start = catalog.size()
+    start = catalog.end
     _append(catalog, {"op": "retain", "owner": "late", "packs": [P2]}, {"op": "release", "owner": "early"})
-    end = catalog.size()
+    end = catalog.end
     catalog.close()
     return pool / "catalog" / "log", start, end
 
 
-def test_g2_torn_tail_cut_at_every_byte_is_truncated_and_earlier_events_survive(pool: Path) -> None:
+def test_g2_torn_tail_at_every_byte_is_zeroed_and_earlier_events_survive(pool: Path) -> None:
+    """A crashed append leaves a prefix of its frame in the zeros written ahead (J7)."""
     log, start, end = _log_with_last_frame(pool)
     full = log.read_bytes()
-    assert len(full) == end and end - start > frame.FRAME_HEADER_BYTES
+    assert end - start > frame.FRAME_HEADER_BYTES and not full[end:].strip(b"\0")
     for cut in range(start, end):
-        log.write_bytes(full[:cut])
+        log.write_bytes(full[:cut] + bytes(len(full) - cut))
         catalog = _catalog(pool)
         with catalog.locked() as cat:
             assert cat.state.owners == {"early": {P1}}, cut
             assert cat.state.packs[P1].extents == {154: [0]}
-        assert log.stat().st_size == start, cut  # the lock holder cut the torn frame
+        # The lock holder zeroed the torn frame (the log keeps its size and its zeros).
+        assert log.read_bytes() == full[:start] + bytes(len(full) - start), cut
         # The next frame continues the chain where the torn one would have been.
         _append(catalog, {"op": "add", "owner": "after", "packs": [P3]})
         catalog.close()
@@ -442,12 +449,25 @@ def test_g2_torn_tail_cut_at_every_byte_is_truncated_and_earlier_events_survive(
         assert len(_frames(log)) == 3
 
 
-def test_g2_zero_filled_tail_is_torn(pool: Path) -> None:
+def test_j7_a_log_cut_short_anywhere_fails_closed_and_is_left_alone(pool: Path) -> None:
+    """No crash leaves a log without zeros after its frames: a file cut at a frame boundary or
+    inside a frame lost frames that were acknowledged (before the fix it was taken for a torn
+    write and cut further, or for a clean end)."""
     log, start, end = _log_with_last_frame(pool)
     full = log.read_bytes()
-    log.write_bytes(full[:start] + bytes(end - start))
+    for cut in [frame.SEGMENT_HEADER_BYTES, start - 1, start, start + 10, end - 1, end, end + 10]:
+        log.write_bytes(full[:cut])
+        with pytest.raises(CorruptData, match="cut short"):
+            _fresh_state(pool)
+        assert log.read_bytes() == full[:cut], cut
+
+
+def test_g2_zero_filled_tail_is_torn(pool: Path) -> None:
+    log, start, _ = _log_with_last_frame(pool)
+    full = log.read_bytes()
+    log.write_bytes(full[:start] + bytes(len(full) - start))
     assert _fresh_state(pool).owners == {"early": {P1}}
-    assert log.stat().st_size == start
+    assert log.read_bytes() == full[:start] + bytes(len(full) - start)
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -459,15 +479,17 @@ def _flip(path: Path, offset: int) -> None:
 @pytest.mark.parametrize("where", ["header", "body", "last-body-byte"])
 def test_g2_bit_flip_in_the_last_frame_is_cut_as_a_torn_write_never_applied(pool: Path, where: str) -> None:
     # Nothing after the last frame proves it was durable, so under A1 its damage is a torn
-    # write (DURABILITY.md, durability witness): the lock holder cuts it, never applies it.
+    # write (DURABILITY.md, durability witness): the lock holder zeroes it, never applies it.
     log, start, end = _log_with_last_frame(pool)
+    size = log.stat().st_size
     offset = {"header": start + 9, "body": start + frame.FRAME_HEADER_BYTES + 3, "last-body-byte": end - 1}
     _flip(log, offset[where])
     catalog = _catalog(pool)
     with catalog.locked() as cat:
         assert cat.state.owners == {"early": {P1}}
     catalog.close()
-    assert log.stat().st_size == start
+    data = log.read_bytes()
+    assert len(data) == size and not data[start:].strip(b"\0")
 
 
 @pytest.mark.parametrize("where", ["header", "body"])
@@ -504,7 +526,7 @@ def test_truncated_header_is_corrupt_and_a_foreign_log_is_refused(pool: Path) ->
     log, _, _ = _log_with_last_frame(pool)
     full = log.read_bytes()
     log.write_bytes(full[:10])
-    with pytest.raises(CorruptData, match="catalog header truncated"):
+    with pytest.raises(CorruptData, match="header truncated"):
         _fresh_state(pool)
     other = frame.identity_tag("straw-pool", "journal")
     log.write_bytes(frame.encode_segment_header(frame.SEGMENT_MAGIC, 1, frame.genesis_chain(other), other))
@@ -545,8 +567,8 @@ def test_g3_fault_at_each_catalog_phase_leaves_the_frame_whole_or_absent(pool: P
     fresh = _fresh_state(pool)
     present = {"x", "y"} & set(fresh.owners)
     assert present in (set(), {"x", "y"})  # never half a frame
-    # G3: whatever failed, the appender cut the file back to where its frame began (and the cut
-    # was synced) before giving up the lock, so no later frame chains onto it.
+    # G3: whatever failed, the appender zeroed its frame (and synced that) before giving up the
+    # lock, so no later frame chains onto it.
     assert present == set()
     assert fresh.owners["before"] == {P1}
     # The failed catalog forgot its view; its next section reloads and agrees with a fresh reader.
@@ -624,7 +646,7 @@ def test_g7_compaction_keeps_every_client_view_equal(pool: Path, monkeypatch: py
     assert views[0] == views[1] == views[2]
     assert sorted(views[0]["owners"]) == sorted(f"o{i}" for i in range(320) if i % 2)
     # The log restarts after every snapshot: it stays small however many events were written.
-    assert os.path.getsize(pool / "catalog" / "log") < 4000
+    assert os.path.getsize(pool / "catalog" / "log") < 4000 + CATALOG_PREALLOC_BYTES
 
 
 def test_g7_crash_between_snapshot_and_new_log_skips_the_old_frames(pool: Path) -> None:

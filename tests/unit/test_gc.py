@@ -452,6 +452,37 @@ def test_online_writer_packs_are_reclaimed_while_it_lives(root: Path) -> None:
     collector.close()
 
 
+def test_g6_2_deferred_release_rides_the_writers_next_catalog_frame(root: Path) -> None:
+    writer = open_store(root, online_gc=True)
+    base = pub(writer, "base")
+    a = pub(writer, "a", deps=(base,))  # staged with an owner of its own (it reaches base)
+    writer.seal()
+    writer.release_publications([base])
+    frames = writer._catalog.metrics["appends"]
+    writer.release_publications([a], defer=True)
+    assert writer._catalog.metrics["appends"] == frames  # nothing written yet
+    state = catalog_state(root)  # another client still sees a staged
+    assert (pack(a), a.manifest.segment.offset, a.manifest.ordinal) not in {
+        (path, *item) for path, info in state.packs.items() for item in info.released
+    }
+    assert open_store(root).collect_garbage()["reclaimed_files"] == 0  # retained, never lost
+    b = pub(writer, "b", deps=(base,))  # its staging frame carries the deferred end as well
+    assert writer._catalog.metrics["appends"] == frames + 1
+    writer.release_publications([b], defer=True)
+    assert writer.explain(pack(a))["staging_over"] is True  # this store's own view flushes first
+    assert writer._catalog.metrics["appends"] == frames + 2
+    collector = open_store(root)
+    assert collector.collect_garbage()["reclaimed_files"] == 1  # base's and a's pack
+    with pytest.raises(InvalidReference):
+        writer.release_publications([RecordSetRef(a.manifest, "0" * 32, 2, 1, 0)], defer=True)
+    c = pub(writer, "c")
+    writer.release_publications([c], defer=True)
+    writer.close()  # close writes what is still deferred (and the seal)
+    assert collector.collect_garbage()["reclaimed_files"] == 1
+    assert on_disk(root) == []
+    collector.close()
+
+
 def test_online_writer_rotation_records_each_seal(root: Path) -> None:
     writer = open_store(root, online_gc=True, segment_target_bytes=1500)
     refs = [pub(writer, f"r{i}") for i in range(5)]  # each ~1 KiB: one publication per pack

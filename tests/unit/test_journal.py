@@ -4,8 +4,9 @@
   partial 1..63 bytes, zeroed, bad magic, bad checksum, unknown version), sequence, chain and
   body state (complete, incomplete, damaged, impossible length) against the precedence its
   docstring documents (``straw._journal.frame``: END / FRAME / TORN / CORRUPT).
-* Replay of a journal whose last frame is cut at every byte keeps exactly the valid prefix and
-  truncates the file durably; a bit flip anywhere in the last frame is never applied.
+* Replay of a journal whose last frame is torn at every byte (followed by the zeros written
+  ahead) keeps exactly the valid prefix and zeroes the torn bytes durably; a segment cut short
+  anywhere (J7) is refused and left alone; a bit flip anywhere in the last frame is never applied.
 * A segment or snapshot of another queue is ``UnsafeRecovery``; a gap between segments is
   ``CorruptData``; snapshot plus tail equals a full replay.
 * Group commit: concurrent appenders share syncs, and each returns only once its own frame
@@ -15,7 +16,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import struct
 import threading
@@ -32,7 +32,7 @@ from straw._journal.log import Journal
 from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
-from straw.limits import JOURNAL_SYNCS_IN_FLIGHT
+from straw.limits import JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
 from straw.protocol import TaskSpec, decode, encode
 
 TAG = frame.identity_tag("run-journal", "rollout")
@@ -298,12 +298,17 @@ def test_segment_header_round_trip_and_damage() -> None:
 
 @pytest.fixture
 def journal_bytes(tmp_path: Path) -> tuple[Path, bytes, int, list[bytes]]:
-    """(segment path, its bytes, offset of its last frame, bodies) of a 6-frame journal."""
+    """(segment path, its bytes, offset of its last frame, bodies) of a 6-frame journal.
+
+    A closed segment keeps LOG_CLOSE_ZEROS zero bytes after its last frame (J7).
+    """
     items = bodies(6, size=40)
     write_journal(tmp_path, items)
     (path,) = segment_paths(tmp_path)
     data = path.read_bytes()
-    last = len(data) - (H + len(items[-1]))
+    end = len(data) - LOG_CLOSE_ZEROS
+    assert not data[end:].strip(b"\0") and data[end - 1] != 0
+    last = end - (H + len(items[-1]))
     return path, data, last, items
 
 
@@ -314,25 +319,33 @@ def test_replay_of_an_intact_journal_applies_every_frame(tmp_path: Path, journal
     assert (recovered.last_seq, recovered.truncated, recovered.snapshot) == (6, None, None)
 
 
-def test_i11_replay_cut_at_every_byte_of_the_last_frame_keeps_the_prefix(
+def test_i11_replay_of_a_torn_last_frame_keeps_the_prefix_and_zeroes_the_rest(
     tmp_path: Path, journal_bytes: Any
 ) -> None:
     path, data, last, items = journal_bytes
-    for cut in range(last, len(data)):
-        path.write_bytes(data[:cut])
+    end = len(data) - LOG_CLOSE_ZEROS
+    for cut in range(last, end + 1):
+        path.write_bytes(data[:cut] + bytes(len(data) - cut))  # the frame landed up to ``cut``
         backend = FilesystemBackend(tmp_path)
         journal = open_journal(tmp_path, backend=backend)
         applied, collect = collector()
         recovered = journal.replay(collect, ignore)
+        if cut == end:
+            assert applied == list(enumerate(items, start=1))
+            assert recovered.truncated is None
+            continue
         assert applied == list(enumerate(items[:-1], start=1)), cut
         assert recovered.last_seq == 5
-        assert os.path.getsize(path) == last, cut  # the torn bytes are gone
+        assert path.read_bytes() == data[:last] + bytes(len(data) - last), cut  # torn bytes zeroed
         if cut == last:
             assert recovered.truncated is None
         else:
-            assert recovered.truncated is not None and f"cut at byte {last}" in recovered.truncated
-            assert backend.metrics["file_syncs"] == 1  # the truncation was made durable
+            assert recovered.truncated is not None and f"zeroed from byte {last}" in recovered.truncated
+            assert backend.metrics["file_syncs"] == 1  # the zeroing was made durable
     # A recovered journal continues after the prefix, in a new segment.
+    path.write_bytes(data[:last] + bytes(len(data) - last))
+    journal = open_journal(tmp_path)
+    journal.replay(lambda seq, body: None, ignore)
     journal.start_segment()
     journal.wait(journal.append(b"after-recovery"))
     journal.close()
@@ -340,10 +353,25 @@ def test_i11_replay_cut_at_every_byte_of_the_last_frame_keeps_the_prefix(
     assert applied == [*enumerate(items[:-1], start=1), (6, b"after-recovery")]
 
 
+def test_j7_replay_refuses_a_last_segment_cut_short_anywhere(tmp_path: Path, journal_bytes: Any) -> None:
+    """A crash always leaves zeros after the last frame (J7): a segment that ends inside a frame
+    or exactly at one was cut, and acknowledged frames may be gone. Before the fix a cut inside
+    the last frame passed for a torn write and a cut at a frame boundary for a clean end."""
+    path, data, last, _ = journal_bytes
+    end = len(data) - LOG_CLOSE_ZEROS
+    for cut in [frame.SEGMENT_HEADER_BYTES, *range(last - 3, end + 1), end + 10]:
+        path.write_bytes(data[:cut])
+        _, collect = collector()
+        with pytest.raises(CorruptData, match="cut short"):
+            open_journal(tmp_path).replay(collect, ignore)
+        assert path.read_bytes() == data[:cut], cut  # fail closed: nothing cut or repaired
+
+
 def test_i11_replay_never_applies_a_bit_flip_in_the_last_frame(tmp_path: Path, journal_bytes: Any) -> None:
     path, data, last, items = journal_bytes
+    end = len(data) - LOG_CLOSE_ZEROS
     outcomes = {"corrupt": 0, "prefix": 0}
-    for offset in range(last, len(data)):
+    for offset in range(last, end):
         for bit in range(8):
             damaged = bytearray(data)
             damaged[offset] ^= 1 << bit
@@ -357,14 +385,14 @@ def test_i11_replay_never_applies_a_bit_flip_in_the_last_frame(tmp_path: Path, j
                 assert path.read_bytes() == bytes(damaged)  # fail closed: nothing cut or repaired
                 outcomes["corrupt"] += 1
             else:
-                assert os.path.getsize(path) == last  # looked torn: cut to the prefix
+                assert path.read_bytes() == data[:last] + bytes(len(data) - last)  # looked torn: zeroed
                 outcomes["prefix"] += 1
             assert applied == list(enumerate(items[:-1], start=1)), (offset, bit)
-    assert sum(outcomes.values()) == 8 * (len(data) - last)
+    assert sum(outcomes.values()) == 8 * (end - last)
     # Nothing follows the last frame, so nothing proves it was durable: under A1 its damage is
     # a torn write and recovery keeps the prefix (DURABILITY.md, durability witness). Never
     # is the damaged frame applied.
-    assert outcomes == {"corrupt": 0, "prefix": 8 * (len(data) - last)}
+    assert outcomes == {"corrupt": 0, "prefix": 8 * (end - last)}
 
 
 def test_i11_replay_refuses_damage_before_the_last_frame(tmp_path: Path, journal_bytes: Any) -> None:
@@ -623,9 +651,9 @@ def test_j3_after_a_failed_sync_no_later_sync_acknowledges_and_close_cuts_the_re
     thread.join(30)
     assert outcomes == ["first refused"] and calls[0] == 2
     journal.close()
-    # J3.1: the close cut both unacknowledged batches back out, durably.
+    # J3.1: the close zeroed both unacknowledged batches, durably (the segment keeps its zeros, J7).
     segment = next((tmp_path / "queue" / "wal").iterdir())
-    assert segment.stat().st_size == durable_end
+    assert not segment.read_bytes()[durable_end:].strip(b"\0")
     applied, _, _ = replay(tmp_path)
     assert [body for _, body in applied] == [b"durable"]
 
@@ -732,4 +760,6 @@ def test_segment_bytes_follow_the_documented_layout(tmp_path: Path) -> None:
     header = frame.decode_segment_header(data, frame.SEGMENT_MAGIC)
     assert (header.first_seq, header.chain_in, header.tag) == (1, frame.genesis_chain(TAG), TAG)
     assert [f.body for f in _frames(data)] == items
-    assert len(data) == 64 + sum(H + len(b) for b in items)
+    # A clean close keeps LOG_CLOSE_ZEROS zero bytes after the last frame (J7).
+    assert len(data) == 64 + sum(H + len(b) for b in items) + LOG_CLOSE_ZEROS
+    assert not data[-LOG_CLOSE_ZEROS:].strip(b"\0")

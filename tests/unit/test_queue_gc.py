@@ -340,22 +340,36 @@ def test_results_are_kept_until_the_training_consumer_acknowledges_them(pool: Po
     assert pool.alive(*results, state1, progress1, state2, eval_state) == [False] * 5 + [True, True]
 
 
-def test_a_malformed_progress_record_fails_collection_and_deletes_nothing(pool: Pool) -> None:
+def test_a_malformed_progress_record_is_refused_and_deletes_nothing(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11: a progress record GC cannot parse is refused when saved (nothing journaled).
+    One already in a journal (written by an older straw, simulated by skipping the check)
+    makes collection fail closed: nothing is deleted."""
     _three_results(pool)
     stray = pool.put("stray")
     token = pool.queue.open_consumer("training", exclusive_owner="trainer")
     progress = pool.put_json("bad-progress", {"version": 2, "processed_positions": [0]})
-    pool.queue.save_consumer_state(
-        "training",
-        token=token,
-        request_id="s1",
-        state_ref=pool.put("state"),
-        fetch_cursor=3,
-        processed_cursor=0,
-        progress_ref=progress,
-    )
+    state = pool.put("state")
+
+    def save() -> object:
+        return pool.queue.save_consumer_state(
+            "training",
+            token=token,
+            request_id="s1",
+            state_ref=state,
+            fetch_cursor=3,
+            processed_cursor=0,
+            progress_ref=progress,
+        )
+
+    with pytest.raises(UnsupportedSchema, match=r"progress_ref of consumer 'training'.*version: 1"):
+        save()
+    assert pool.queue.load_consumer_state("training") is None
+    monkeypatch.setattr(Coordinator, "_check_progress", lambda *args: None)
+    save()
     before = pool.files()
-    with pytest.raises(UnsupportedSchema, match=r"progress_ref must be one json\.v1 record"):
+    with pytest.raises(UnsupportedSchema, match=r"a progress record is \{version: 1"):
         pool.queue.collect_garbage()
     assert pool.files() == before
     assert pool.alive(stray) == [True]
@@ -556,6 +570,16 @@ def test_g6_a_catalog_failure_journals_nothing_and_the_queue_keeps_working(pool:
     assert pool.alive(data) == [True]
 
 
+def _catalog_end(root: Path) -> int:
+    """Where the catalog log's frames end (the zeros written ahead follow, DURABILITY.md J7)."""
+    catalog = Catalog(FilesystemBackend(root))
+    try:
+        with catalog.locked():
+            return catalog.end
+    finally:
+        catalog.close()
+
+
 def test_g6_a_complete_whose_result_pack_is_already_owned_writes_no_catalog_event(pool: Pool) -> None:
     shared = pool.store(online_gc=True)  # one pack for every result of this worker
     pool.queue.submit_tasks("r1", [TaskSpec("t0"), TaskSpec("t1")])
@@ -566,9 +590,9 @@ def test_g6_a_complete_whose_result_pack_is_already_owned_writes_no_catalog_even
             [Record(f"o{i}", b"x", metadata={"task_id": f"t{i}", "attempt_id": lease.attempt_id})],
             submission_id=f"o{i}",
         )
-        before = os.path.getsize(pool.root / "catalog" / "log")
+        before = _catalog_end(pool.root)
         pool.queue.complete_task(lease, submission_id=f"c{i}", result_ref=ref, result_digest=ref.digest)
-        sizes.append(os.path.getsize(pool.root / "catalog" / "log") - before)
+        sizes.append(_catalog_end(pool.root) - before)
     assert sizes[0] > 0  # the first result of the pack: one add event
     assert sizes[1] == 0  # the pack is already owned: no catalog write
     shared.close()

@@ -16,8 +16,10 @@ from typing import Any
 
 from .._fs import lock, posix
 from ..backend import FilesystemBackend
+from ..errors import UnsafeRecovery
+from ..protocol import decode
 from .log import Catalog, describe
-from .state import Event
+from .state import CatalogState, Event, queue_owner
 
 _WRITER = re.compile(r"[0-9a-f]{32}")
 _PACK = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
@@ -113,9 +115,47 @@ def _drop_empty_writer_dirs(backend: FilesystemBackend, dead: set[str], remainin
         backend.sync_dir(raw)
 
 
+def queue_directories(root: str) -> list[str]:
+    """Pool-relative directories of every queue (``queue``, ``queues/<digest>``)."""
+    out = ["queue"] if posix.isdir(os.path.join(root, "queue")) else []
+    try:
+        names = sorted(posix.listdir(os.path.join(root, "queues")))
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    out += [f"queues/{n}" for n in names if posix.isdir(os.path.join(root, "queues", n))]
+    return out
+
+
+def _check_queue_owners(root: str, state: CatalogState) -> None:
+    """I20: every queue's owner is in the catalog (coordinators record it before ``queue.json``).
+
+    One that is not proves the catalog is shorter than what the pool holds (a truncated or
+    older copy): collecting from it could delete what the lost events retained.
+    """
+    for directory in queue_directories(root):
+        path = os.path.join(root, directory, "queue.json")
+        try:
+            identity = decode(posix.read_file(path))
+        except FileNotFoundError:
+            continue  # a queue that never served a call
+        except Exception as error:
+            raise UnsafeRecovery(
+                f"cannot read {path} ({error}), so its queue's catalog owner is unknown; run `straw "
+                "check`; refusing to collect garbage"
+            ) from None
+        run_id = identity.get("run_id") if isinstance(identity, dict) else None
+        if not isinstance(run_id, str) or queue_owner(run_id, directory) not in state.owners:
+            raise UnsafeRecovery(
+                f"the catalog does not know the owner of the queue in {directory}: it lost events (a "
+                "truncated or older copy), and collecting could delete what they retained. Run `straw "
+                "check` (docs/CHECK.md); refusing to collect garbage"
+            )
+
+
 def collect(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) -> dict[str, Any]:
     """One collection pass; returns what it reclaimed and what it kept."""
     with catalog.locked() as cat:
+        _check_queue_owners(str(backend.root), cat.state)
         scan = _scan(cat, backend, own_writer)
         try:
             cat.append(scan.events)  # G5 before G4: deaths and seals are durable first

@@ -13,13 +13,15 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._fs import durable, lock, posix
-from .._journal import frame
+from .._journal import frame, scan
+from .._journal.scan import Problem
 from ..backend import FilesystemBackend
-from ..errors import CorruptData, UnsafeRecovery
-from ..limits import CATALOG_COMPACT_BYTES_MIN
+from ..errors import CorruptData, QueueError, UnsafeRecovery, UnsupportedSchema, invariant
+from ..limits import CATALOG_COMPACT_BYTES_MIN, CATALOG_PREALLOC_BYTES
 from ..protocol import decode, encode
 from .state import CatalogState, Event
 
@@ -28,6 +30,8 @@ LOG_FILE = "log"
 LOCK_FILE = "LOCK"
 SNAPSHOT_FILE = "snapshot"
 TAG = frame.identity_tag("straw-pool", "catalog")
+#: Bytes before a view's end that a catch-up reads again to tell an append from a rewrite.
+_TAIL_BYTES = 64
 
 
 class Catalog:
@@ -48,6 +52,8 @@ class Catalog:
         self._seq = 0
         self._chain = frame.genesis_chain(TAG)
         self._held = False
+        self._size = 0  # the log file's size: frames, then zeros written ahead (J7)
+        self._tail = b""  # the last bytes before _offset, as this view read or wrote them
         self.metrics = {"appends": 0, "syncs": 0, "frames_read": 0, "compactions": 0}
 
     # -- the exclusive section (G1) ---------------------------------------------------
@@ -93,83 +99,107 @@ class Catalog:
         self._offset, self._seq, self._chain = 0, 0, frame.genesis_chain(TAG)
         self._log_first = 0
         self._skip_until = 0
+        self._size = 0
+        self._tail = b""
 
     def _catch_up(self) -> None:
-        """Apply every frame appended since this process last looked; cut a torn tail (G2).
+        """Apply every frame appended since this process last looked; zero a torn tail (G2).
 
         The log starts with a segment header naming its first sequence number. When
         that changes, another client compacted the catalog (G7): this view reloads
-        from the snapshot and the new log.
+        from the snapshot and the new log, with the loader ``straw check`` uses.
         """
         try:
             fd = posix.open_read(self.path)
         except FileNotFoundError:
-            if posix.exists(self.snapshot_path):
-                raise CorruptData(
-                    f"{self.path} is missing but a catalog snapshot exists; run `straw check`"
-                ) from None
-            self._create()
+            self._missing()
             return
         try:
             size = posix.fstat_size(fd)
             header = posix.pread_exact(fd, frame.SEGMENT_HEADER_BYTES, 0)
-            if len(header) < frame.SEGMENT_HEADER_BYTES:
-                raise CorruptData(f"{self.path}: catalog header truncated; run `straw check`")
-            found = frame.decode_segment_header(header, frame.SEGMENT_MAGIC)
-            if found.tag != TAG:
-                raise UnsafeRecovery(f"{self.path} is not this pool's catalog")
-            if self._offset == 0 or found.first_seq != self._log_first or size < self._offset:
-                self._load_snapshot()
-                if found.first_seq > self._seq + 1:
-                    raise CorruptData(
-                        f"{self.path} starts at frame {found.first_seq} after snapshot {self._seq}"
-                    )
-                # Frames up to the snapshot are checked (chain) but not applied again.
-                self._skip_until = self._seq
-                self._seq, self._chain = found.first_seq - 1, found.chain_in
-                self._offset, self._log_first = frame.SEGMENT_HEADER_BYTES, found.first_seq
-            data = posix.pread_exact(fd, size - self._offset, self._offset)
+            first = _first_seq(header) if len(header) == frame.SEGMENT_HEADER_BYTES else -1
+            data: bytes | bytearray | memoryview | None = None
+            if self._offset and first == self._log_first and size >= self._offset:
+                # The bytes just before this view's end must still be the ones it read: a log
+                # rewritten by anything but an append (a restore, a copy) is loaded afresh.
+                back = len(self._tail)
+                data = posix.pread_exact(fd, size - self._offset + back, self._offset - back)
+                if bytes(data[:back]) != self._tail:
+                    data = None
+                else:
+                    data = memoryview(data)[back:]
         finally:
             posix.close_quietly(fd)
-        self._apply_frames(data)
+        if data is None:
+            self._reload()
+            return
+        position = scan.Position(self._seq, self._chain, 0)
+        try:
+            end = scan.walk(data, position, self._visit, newest=True)
+        except BaseException:
+            self._reset()  # a frame's events may be half applied: reload next time
+            raise
+        self._seq, self._chain = position.seq, position.chain
+        if end.offset:
+            self._tail = bytes(data[max(0, end.offset - _TAIL_BYTES) : end.offset])
+        self._finish(end, self._offset + end.offset, size)
 
-    def _load_snapshot(self) -> None:
+    def _missing(self) -> None:
+        """No log: create it in a pool that never had one, refuse in one that must have (I20)."""
+        if posix.exists(self.snapshot_path):
+            raise CorruptData(f"{self.path} is missing but a catalog snapshot exists; run `straw check`")
+        found = traces(str(self.backend.root))
+        if found:
+            raise UnsafeRecovery(
+                f"the pool's catalog ({self.path}) is missing, but {found}: who owns what is unknown, "
+                "so nothing may be collected or retained. Run `straw check` on the pool, then restore "
+                "the catalog or rebuild it with `straw check --rebuild-catalog --owner NAME ...` "
+                "(docs/CHECK.md)"
+            )
+        self._create()
+
+    def _reload(self) -> None:
+        """Load the snapshot and the whole log (G2, G7), failing closed on any problem."""
         self._reset()
         try:
-            data = posix.read_file(self.snapshot_path)
-        except FileNotFoundError:
+            loaded = load_catalog(self.directory)
+        except OSError as error:
+            raise posix.storage_error(error, f"reading the catalog in {self.directory}") from error
+        if loaded.problem is not None:
+            raise loaded.problem.error(f"{loaded.problem.message}; the catalog is damaged, run `straw check`")
+        if not loaded.present:
+            self._missing()
             return
-        header = frame.decode_segment_header(data, frame.SNAPSHOT_MAGIC)
-        if header.tag != TAG:
-            raise UnsafeRecovery(f"{self.snapshot_path} is not this pool's catalog snapshot")
-        verdict = frame.classify(data, frame.SEGMENT_HEADER_BYTES, header.first_seq, header.chain_in)
-        if verdict.frame is None or verdict.frame.end != len(data):
-            raise CorruptData(f"{self.snapshot_path} is damaged ({verdict.reason}); run `straw check`")
-        self.state = CatalogState.from_dict(decode(verdict.frame.body))
-        self._seq, self._chain = header.first_seq, header.chain_in
+        self.state = loaded.state
+        self.snapshot_bytes = loaded.snapshot_bytes
+        self._seq, self._chain = loaded.seq, loaded.chain
+        self._log_first, self._skip_until = loaded.log_first, loaded.skip_until
+        self.metrics["frames_read"] += loaded.frames
+        invariant(loaded.end is not None, "a present log has an end")
+        if loaded.end is not None:
+            self._tail = loaded.tail
+            self._finish(loaded.end, loaded.end.offset, loaded.size)
 
-    def _apply_frames(self, data: bytes | bytearray) -> None:
-        at = 0
-        while True:
-            verdict = frame.classify(data, at, self._seq + 1, self._chain)
-            if verdict.decision is frame.Decision.FRAME and verdict.frame is not None:
-                if verdict.frame.seq > self._skip_until:
-                    for event in decode(verdict.frame.body)["events"]:
-                        self.state.apply(event)
-                self._seq, self._chain, at = verdict.frame.seq, verdict.frame.chain, verdict.frame.end
-                self.metrics["frames_read"] += 1
-                continue
-            if verdict.decision is frame.Decision.TORN:
-                # G2: a crashed appender's unacknowledged frame; the lock holder cuts it.
-                durable.cut_tail(self.path, self._offset + at, self.backend.sync_file)
-            elif verdict.decision is frame.Decision.CORRUPT:
-                raise CorruptData(f"{self.path}: {verdict.reason}; the catalog is damaged, run `straw check`")
-            break
+    def _visit(self, found: frame.Frame) -> None:
+        if found.seq > self._skip_until:
+            apply_frame(self.state, found, self.path)
+        self.metrics["frames_read"] += 1
+
+    def _finish(self, end: scan.LogEnd, offset: int, size: int) -> None:
+        """How the log ends (J7): zeros are its clean end, a torn frame is zeroed, a cut or
+        damage fails closed."""
+        if end.kind == scan.TORN:
+            # G2: a crashed appender's unacknowledged frame; the lock holder zeroes it (it never
+            # cuts: the log keeps ending in zeros, J7).
+            durable.zero_tail(self.path, offset, self.backend.sync_file)
+        elif end.fatal:
+            self._reset()
+            raise CorruptData(f"{self.path}: {end.reason}; the catalog is damaged, run `straw check`")
         if self._seq < self._skip_until:
             raise CorruptData(
                 f"{self.path} ends at frame {self._seq}, before its snapshot ({self._skip_until})"
             )
-        self._offset += at
+        self._offset, self._size = offset, size
 
     def _compact(self) -> None:
         """G7: snapshot the state and start a new log after it (caller holds the lock).
@@ -186,16 +216,22 @@ class Catalog:
             self.snapshot_path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
         )
         log_header = frame.encode_segment_header(frame.SEGMENT_MAGIC, seq + 1, chain, TAG)
-        durable.replace_file(self.path, [log_header], self.backend.sync_file, self.backend.sync_dir)
+        zeros = bytes(CATALOG_PREALLOC_BYTES)
+        durable.replace_file(self.path, [log_header, zeros], self.backend.sync_file, self.backend.sync_dir)
         self._offset, self._log_first, self._skip_until = frame.SEGMENT_HEADER_BYTES, seq + 1, seq
+        self._size = frame.SEGMENT_HEADER_BYTES + len(zeros)
+        self._tail = log_header[-_TAIL_BYTES:]
         self.snapshot_bytes = len(header) + len(frame_header) + len(body)
         self.metrics["compactions"] += 1
 
     def _create(self) -> None:
         header = frame.encode_segment_header(frame.SEGMENT_MAGIC, 1, frame.genesis_chain(TAG), TAG)
-        durable.create_file(self.path, [header], self.backend.sync_file, self.backend.sync_dir)
+        zeros = bytes(CATALOG_PREALLOC_BYTES)
+        durable.create_file(self.path, [header, zeros], self.backend.sync_file, self.backend.sync_dir)
         self._reset()
         self._offset, self._log_first = frame.SEGMENT_HEADER_BYTES, 1
+        self._size = frame.SEGMENT_HEADER_BYTES + len(zeros)
+        self._tail = header[-_TAIL_BYTES:]
 
     # -- appending (G3) -------------------------------------------------------------------
 
@@ -207,8 +243,16 @@ class Catalog:
             return
         body = encode({"events": list(events)})
         header, chain = frame.encode_frame(self._seq + 1, self._chain, body, self._seq)
+        end = self._offset + len(header) + len(body)
         fd = posix.open_append(self.path)
         try:
+            if end + CATALOG_PREALLOC_BYTES // 2 > self._size:
+                # J7: zeros ahead of the frame, durable before it, so the log ends in zeros
+                # whatever becomes of the frame (a log without them was cut short).
+                target = end + CATALOG_PREALLOC_BYTES
+                posix.pwrite_all(fd, [bytes(target - self._size)], self._size)
+                self.backend.sync_file(fd)
+                self._size = target
             self.backend.fault("before_catalog_write")
             written = posix.pwrite_all(fd, [header, body], self._offset)
             self.backend.fault("after_catalog_append")
@@ -216,11 +260,11 @@ class Catalog:
             self.backend.fault("after_catalog_sync")
         except BaseException:
             # The tail is unknown (A3): a later sync would prove nothing about it, so no frame
-            # may ever chain onto it. Cut it while the lock is still held (G3.4): once the cut is
+            # may ever chain onto it. Zero it while the lock is still held (G3): once that is
             # synced the frame is durably absent. If even that fails, forget this view; the next
             # section reloads from disk (retains too much, never too little).
             with contextlib.suppress(OSError):
-                posix.truncate(fd, self._offset)
+                posix.pwrite_all(fd, [bytes(end - self._offset)], self._offset)
                 self.backend.sync_file(fd)
             self._reset()
             raise
@@ -229,10 +273,16 @@ class Catalog:
         self._offset += written
         self._seq += 1
         self._chain = chain
+        self._tail = (header + body)[-_TAIL_BYTES:]
         for event in events:
             self.state.apply(event)
         self.metrics["appends"] += 1
         self.metrics["syncs"] += 1
+
+    @property
+    def end(self) -> int:
+        """The offset just past the log's last frame (the zeros written ahead follow it)."""
+        return self._offset
 
     def size(self) -> int:
         try:
@@ -249,3 +299,154 @@ def describe(state: CatalogState) -> dict[str, Any]:
         "known_packs": len(state.packs),
         "dead_writers": len(state.dead_writers),
     }
+
+
+# --------------------------------------------------------------------------- loading, shared with check
+
+
+def traces(root: str) -> str:
+    """What in a pool proves it had a catalog ("" if nothing): a writer's directory under
+    ``raw/`` or a queue directory. Stores and coordinators make the catalog exist before they
+    create either (I20), so either one without a catalog means the catalog was lost."""
+    try:
+        writers = [n for n in posix.listdir(os.path.join(root, "raw")) if not n.startswith(".")]
+    except (FileNotFoundError, NotADirectoryError):
+        writers = []
+    if writers:
+        return f"raw/ holds {len(writers)} writer director{'y' if len(writers) == 1 else 'ies'}"
+    if posix.isdir(os.path.join(root, "queue")):
+        return "the pool holds a queue (queue/)"
+    try:
+        if posix.listdir(os.path.join(root, "queues")):
+            return "the pool holds queues (queues/)"
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return ""
+
+
+def _first_seq(header: bytes | bytearray) -> int:
+    try:
+        return frame.decode_segment_header(header, frame.SEGMENT_MAGIC).first_seq
+    except (CorruptData, UnsupportedSchema):
+        return -1
+
+
+def apply_frame(state: CatalogState, found: frame.Frame, path: str) -> None:
+    """Apply one catalog frame's events; a body that is not one raises CorruptData."""
+    try:
+        body = decode(found.body)
+        events = body["events"]
+        if not isinstance(events, list):
+            raise TypeError("events is not a list")
+        for event in events:
+            state.apply(event)
+    except (QueueError, KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CorruptData(f"{path}: frame {found.seq} holds a malformed event ({error!r})") from None
+
+
+@dataclass
+class CatalogLoad:
+    """A whole catalog read from disk (snapshot, then log), stopped at the first problem."""
+
+    state: CatalogState = field(default_factory=CatalogState)
+    present: bool = False  # the log exists
+    seq: int = 0
+    chain: bytes = field(default_factory=lambda: frame.genesis_chain(TAG))
+    log_first: int = 0
+    skip_until: int = 0
+    size: int = 0  # of the log
+    snapshot_bytes: int = 0
+    frames: int = 0
+    end: scan.LogEnd | None = None
+    problem: Problem | None = None
+    tail: bytes = b""  # the bytes just before end.offset
+
+
+def load_catalog(directory: str, label: str = "") -> CatalogLoad:
+    """Read ``directory``'s catalog snapshot and log (G2, G7, J7) through ``straw._fs``.
+
+    The one loader: :class:`Catalog` raises its problem, ``straw check`` reports it. A torn
+    tail is left to the caller (``CatalogLoad.end``). Raises ``OSError`` only for I/O errors.
+    """
+    out = CatalogLoad()
+    log_path, snap_path = os.path.join(directory, LOG_FILE), os.path.join(directory, SNAPSHOT_FILE)
+    log_name = f"{label}/{LOG_FILE}" if label else log_path
+    snap_name = f"{label}/{SNAPSHOT_FILE}" if label else snap_path
+
+    def stop(code: str, name: str, message: str, error: type[QueueError] = CorruptData) -> CatalogLoad:
+        out.problem = Problem(code, name, message, error)
+        return out
+
+    try:
+        snapshot: bytes | None = posix.read_file(snap_path)
+    except FileNotFoundError:
+        snapshot = None
+    if snapshot is not None:
+        out.snapshot_bytes = len(snapshot)
+        problem = _load_snapshot(out, snapshot, snap_name)
+        if problem is not None:
+            out.problem = problem
+            return out
+    try:
+        data = posix.read_file(log_path)
+    except FileNotFoundError:
+        if snapshot is not None:
+            return stop(
+                "catalog.missing_log", log_name, f"{log_name} is missing but a catalog snapshot exists"
+            )
+        return out
+    out.present, out.size = True, len(data)
+    try:
+        header = frame.decode_segment_header(data, frame.SEGMENT_MAGIC)
+    except (CorruptData, UnsupportedSchema) as error:
+        return stop("catalog.corrupt_frame", log_name, f"{log_name}: {error}", type(error))
+    if header.tag != TAG:
+        return stop("catalog.foreign", log_name, f"{log_name} is not this pool's catalog", UnsafeRecovery)
+    if header.first_seq > out.seq + 1:
+        return stop(
+            "catalog.gap", log_name, f"{log_name} starts at frame {header.first_seq} after snapshot {out.seq}"
+        )
+    # Frames up to the snapshot are checked (chain) but not applied again.
+    out.skip_until, out.log_first = out.seq, header.first_seq
+    position = scan.Position(header.first_seq - 1, header.chain_in, frame.SEGMENT_HEADER_BYTES)
+
+    def visit(found: frame.Frame) -> None:
+        if found.seq > out.skip_until:
+            apply_frame(out.state, found, log_name)
+
+    try:
+        end = scan.walk(data, position, visit, newest=True)
+    except CorruptData as error:
+        return stop("catalog.bad_event", log_name, str(error))
+    except UnsupportedSchema as error:
+        return stop("catalog.corrupt_frame", log_name, f"{log_name}: {error}", UnsupportedSchema)
+    out.seq, out.chain, out.frames, out.end = position.seq, position.chain, position.frames, end
+    out.tail = bytes(data[max(0, end.offset - _TAIL_BYTES) : end.offset])
+    if end.kind == scan.CUT:
+        return stop("catalog.truncated", log_name, f"{log_name}: {end.reason}")
+    if end.kind == scan.CORRUPT:
+        return stop("catalog.corrupt_frame", log_name, f"{log_name}: {end.reason}")
+    if out.seq < out.skip_until:
+        return stop(
+            "catalog.gap",
+            log_name,
+            f"{log_name} ends at frame {out.seq}, before its snapshot ({out.skip_until})",
+        )
+    return out
+
+
+def _load_snapshot(out: CatalogLoad, data: bytes, name: str) -> Problem | None:
+    try:
+        header = frame.decode_segment_header(data, frame.SNAPSHOT_MAGIC)
+        if header.tag != TAG:
+            return Problem(
+                "catalog.foreign", name, f"{name} is not this pool's catalog snapshot", UnsafeRecovery
+            )
+        verdict = frame.classify(data, frame.SEGMENT_HEADER_BYTES, header.first_seq, header.chain_in)
+        if verdict.frame is None or verdict.frame.end != len(data):
+            raise CorruptData(verdict.reason)
+        out.state = CatalogState.from_dict(decode(verdict.frame.body))
+    except (CorruptData, UnsupportedSchema, KeyError, TypeError, ValueError, AttributeError) as error:
+        return Problem("catalog.snapshot_corrupt", name, f"{name} is damaged ({error})", CorruptData)
+    out.seq, out.chain = header.first_seq, header.chain_in
+    return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import invariant
+from ..protocol import digest
 
 Event = dict[str, Any]
 
@@ -20,6 +21,12 @@ RESERVED_PREFIXES = ("queue:", "staging:", "pin:")
 
 #: Ordinal meaning "the records of an extent without a manifest" (write_records).
 RECORDS_ONLY = -1
+
+
+def queue_owner(run_id: str, relative_directory: str) -> str:
+    """The catalog owner holding a queue's roots (docs/GC.md "Queue roots"): the coordinator,
+    collection's cross-check (I20) and ``straw check`` all name it this way."""
+    return "queue:" + digest([run_id, relative_directory])[:32]
 
 
 def writer_of(path: str) -> str:

@@ -80,6 +80,22 @@ def cut_tail(path: str, size: int, sync_file: Sync) -> None:
         posix.close_quietly(fd)
 
 
+def zero_tail(path: str, offset: int, sync_file: Sync) -> None:
+    """Durably overwrite ``path`` with zeros from ``offset`` to its end, keeping its size.
+
+    How a torn log tail is repaired (DURABILITY.md J4.3, G2, J7): the crashed append's
+    bytes are gone, and the log still ends in zeros, as only a cut-short file does not.
+    """
+    fd = posix.open_append(path)
+    try:
+        size = posix.fstat_size(fd)
+        if size > offset:
+            posix.pwrite_all(fd, [bytes(size - offset)], offset)
+        sync_file(fd)
+    finally:
+        posix.close_quietly(fd)
+
+
 def remove_file(path: str, sync_dir: SyncDir) -> bool:
     """Durably remove ``path`` (unlink, then fsync its directory); False if it was absent (D0a)."""
     try:

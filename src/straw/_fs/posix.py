@@ -252,12 +252,16 @@ def isfile(path: str) -> bool:
     return os.path.isfile(path)
 
 
-def islink(path: str) -> bool:
-    return os.path.islink(path)
-
-
 def getsize(path: str) -> int:
     return _system.current.getsize(path)
+
+
+def islink(path: str) -> bool:
+    return _system.current.islink(path)
+
+
+def realpath(path: str) -> str:
+    return _system.current.realpath(path)
 
 
 def read_file(path: str, limit: int | None = None) -> bytes:

@@ -42,10 +42,16 @@ class System(Protocol):
     def exists(self, path: str, /) -> bool: ...
     def isdir(self, path: str, /) -> bool: ...
     def getsize(self, path: str, /) -> int: ...
+    def islink(self, path: str, /) -> bool: ...
+    def realpath(self, path: str, /) -> str: ...
 
 
 def _fstat_size(fd: int) -> int:
     return os.fstat(fd).st_size
+
+
+def _realpath(path: str) -> str:
+    return os.path.realpath(path)
 
 
 class OsSystem:
@@ -71,6 +77,8 @@ class OsSystem:
     exists = staticmethod(os.path.exists)
     isdir = staticmethod(os.path.isdir)
     getsize = staticmethod(os.path.getsize)
+    islink = staticmethod(os.path.islink)
+    realpath = staticmethod(_realpath)
 
 
 #: The active filesystem. Only :func:`installed` changes it.

@@ -19,9 +19,10 @@ from .._fs import durable, lock, posix
 from .._journal import frame as journal_frame
 from .._pack import frame as pack_frame
 from ..backend import FilesystemBackend
-from ..coordinator import LOCK_FILE
+from ..coordinator import IDENTITY_FILE, LOCK_FILE
 from ..errors import QueueError
-from .catalog_view import CatalogView, _load, catalog_lock
+from ..limits import LOG_CLOSE_ZEROS
+from .catalog_view import CatalogView, _load, catalog_lock, read_catalog
 from .gather import Pool, RootSet, gather
 from .journal_scan import Tail, scan_journal
 from .layout import NotAPool
@@ -41,6 +42,15 @@ class Finding:
     path: str  # pool-relative ("" for the pool)
     message: str
     repair: str | None = None
+    #: For findings about a queue's roots: the roots that reach the pack (how two passes agree).
+    roots: tuple[str, ...] = ()
+
+    def agrees(self, other: Finding) -> bool:
+        """The same problem seen by another pass: same code and path, and, for a queue root,
+        at least one root in common (a result acknowledged meanwhile is a different root)."""
+        if (self.code, self.path) != (other.code, other.path):
+            return False
+        return not (self.roots and other.roots) or bool(set(self.roots) & set(other.roots))
 
 
 @dataclass
@@ -89,24 +99,34 @@ def check_pool(root: str | os.PathLike[str], *, fix: bool = False, run_id: str |
     writers and coordinators; with ``fix`` it repairs only what docs/CHECK.md
     lists as repairable, never touching the journal of a queue whose coordinator is alive.
     """
-    pool = gather(root, fix_catalog=fix)
-    findings: list[Finding] = []
-    repaired: list[Finding] = []
-    catalog_repair = "cut the log at the torn frame under catalog/LOCK (what the next lock holder does, G2)"
-    for problem in pool.catalog.problems:
-        finding = _finding(problem, catalog_repair if problem[1] == REPAIRABLE else None)
-        findings.append(finding)
-        if problem in pool.catalog_repaired:
-            repaired.append(finding)
+    pool, findings, claims = _examine(root, run_id)
+    if any(f.severity != INFO for f in findings):
+        # Beside live users a pass can meet a pack collected, a segment replaced or a frame
+        # being written after it read what pointed there. Damage stays put: only what a
+        # second, fresh pass finds again (same code and path) is reported (docs/CHECK.md).
+        first = [f for f in findings if f.severity != INFO]
+        pool, findings, claims = _examine(root, run_id)
+        findings = [f for f in findings if f.severity == INFO or any(f.agrees(g) for g in first)]
+        claims = {f: o for f, o in claims.items() if f in findings}
+    repaired = _repair(pool, findings, claims) if fix else []
+    run_ids = sorted({v.run_id for v in pool.queues if v.run_id is not None})
+    return CheckReport(pool.root, findings, repaired, run_ids)
+
+
+def _examine(
+    root: str | os.PathLike[str], run_id: str | None
+) -> tuple[Pool, list[Finding], dict[Finding, str]]:
+    """One pass: read the pool, and every finding about it (nothing is changed)."""
+    pool = gather(root)
+    catalog_repair = "zero the torn frame under catalog/LOCK (what the next lock holder does, G2)"
+    findings = [_finding(p, catalog_repair if p[1] == REPAIRABLE else None) for p in pool.catalog.problems]
     findings += _pack_findings(pool, run_id)
     findings += _owner_findings(pool)
+    findings += _queue_owner_findings(pool)
     claims: dict[Finding, str] = {}  # root.unowned finding -> the queue owner that should reach it
     for view in pool.queues:
         findings += _queue_findings(pool, view, run_id, claims)
-    if fix:
-        repaired += _repair(pool, findings, claims)
-    run_ids = sorted({v.run_id for v in pool.queues if v.run_id is not None})
-    return CheckReport(pool.root, findings, repaired, run_ids)
+    return pool, findings, claims
 
 
 # --------------------------------------------------------------------------- packs
@@ -156,6 +176,7 @@ def _pack_findings(pool: Pool, run_id: str | None) -> list[Finding]:
         out += _seal_findings(
             pool, pack.path, pack.writer, scan.sealed, {e.index_offset for e in scan.extents}
         )
+    out += _link_findings(pool)
     for temp in pool.layout.temps:
         out.append(
             Finding(
@@ -167,9 +188,42 @@ def _pack_findings(pool: Pool, run_id: str | None) -> list[Finding]:
     return out
 
 
+def _link_findings(pool: Pool) -> list[Finding]:
+    """straw never writes a link under raw/: one is a bad copy or tampering (one leading out
+    of the pool is refused by every read, D5.1)."""
+    out = []
+    base = posix.realpath(pool.root)
+    packs = set(pool.on_disk)
+    for path in pool.layout.links:
+        target = posix.realpath(os.path.join(pool.root, path))
+        where = "outside the pool" if not target.startswith(base + os.sep) else "elsewhere in the pool"
+        what = "reads refuse one that leaves the pool" if path in packs else "writes would go through it"
+        out.append(
+            Finding(
+                "pack.symlink" if path in packs else "pool.symlink",
+                ERROR,
+                path,
+                f"{path} is a symbolic link to {where} ({target}); straw never writes links, and {what}: "
+                "restore the file itself",
+            )
+        )
+    return out
+
+
 def _seal_findings(pool: Pool, path: str, writer: str, sealed: bool, offsets: set[int]) -> list[Finding]:
     info = pool.catalog.state.packs.get(path)
     out = []
+    if info is not None and info.sealed and info.extents is not None and not sealed:
+        # The writer records its seal in the catalog only after the seal frame is durable (D4).
+        out.append(
+            Finding(
+                "pack.missing_seal",
+                ERROR,
+                path,
+                f"{path}: the catalog recorded its writer's seal, but the pack ends without its seal "
+                "frame: it was cut short (extents after the cut are lost)",
+            )
+        )
     if info is not None and info.sealed and info.extents is not None:
         missing = sorted(set(info.extents) - offsets)
         if missing:
@@ -209,6 +263,17 @@ def _owner_findings(pool: Pool) -> list[Finding]:
     out = []
     for owner in sorted(state.owners):
         for path in sorted(state.owners[owner]):
+            scan = pool.scans.get(path)
+            if path in on_disk and path not in state.tombstones and scan is not None and not scan.extents:
+                # An owner reaches a pack only through a reference to a complete extent, so a
+                # reached pack without one lost what the owner retained (a truncated or damaged
+                # pack, e.g. a dead writer's unsealed pack cut to its header).
+                message = (
+                    f"owner {owner!r} reaches {path}, which holds no complete extent any more: what "
+                    "the owner retained there is gone (restore the pack)"
+                )
+                out.append(Finding("owner.lost_extents", ERROR, path, message))
+                continue
             if path in on_disk and path not in state.tombstones:
                 continue
             if path in state.tombstones:
@@ -216,6 +281,48 @@ def _owner_findings(pool: Pool) -> list[Finding]:
             else:
                 message = f"owner {owner!r} reaches {path}, which is not on disk"
             out.append(Finding("owner.missing_pack", ERROR, path, message))
+    return out
+
+
+def _queue_owner_findings(pool: Pool) -> list[Finding]:
+    """I20, I21: every queue's owner is in the catalog, and every queue owner has its queue."""
+    state = pool.catalog.state
+    if not pool.catalog.complete or not pool.catalog.present:
+        return []
+    out = []
+    known = set()
+    for view in pool.queues:
+        owner = view.owner()
+        if owner is None:
+            continue
+        known.add(owner)
+        if owner not in state.owners and view.journal.last_seq > 0:
+            out.append(
+                Finding(
+                    "catalog.lost_owner",
+                    ERROR,
+                    f"{view.directory}/{IDENTITY_FILE}",
+                    f"queue {view.queue_id!r} in {view.directory} has a journal, but the catalog does not "
+                    f"know its owner {owner}: the catalog lost events (a truncated or older copy), so "
+                    "it may have lost other owners too. Collection refuses; restore the catalog or "
+                    "rebuild it (straw check --rebuild-catalog, docs/CHECK.md)",
+                )
+            )
+    if any(view.unidentified for view in pool.queues):
+        return out  # a queue without queue.json: its owner cannot be named, so none is "lost"
+    for owner in sorted(o for o in state.owners if o.startswith("queue:") and o not in known):
+        reach = len(state.owners[owner])
+        out.append(
+            Finding(
+                "queue.lost",
+                ERROR,
+                "",
+                f"catalog owner {owner} reaches {reach} pack(s), but no queue directory of the pool "
+                "uses it: an earlier queue's files were removed. Its data is kept; to start a new "
+                'queue there, open it with abandon_lost_queue=True (docs/QUEUE.md "Lost queues"), '
+                f"or give the data up with straw check --forget-owner {owner}",
+            )
+        )
     return out
 
 
@@ -245,19 +352,21 @@ def _queue_findings(
                     tail.path,
                     f"{tail.path}: {tail.reason} at offset {tail.offset} (a final frame whose write never "
                     "completed, so never acknowledged)",
-                    "truncate the segment there, as recovery does (J4.3); "
+                    "zero the segment from there, as recovery does (J4.3); "
                     "skipped while a coordinator holds the queue",
                 )
             )
         else:
             out.append(Finding("journal.live_tail", INFO, tail.path, f"{tail.path} is being written"))
-    elif tail is not None and tail.kind == "zeros":
+    elif tail is not None and tail.kind == "zeros" and tail.after > LOG_CLOSE_ZEROS:
+        # A closed segment keeps LOG_CLOSE_ZEROS zeros after its frames (J7): only more is news.
         out.append(
             Finding(
                 "journal.zero_tail",
                 INFO,
                 tail.path,
-                f"{tail.path} ends with zero-filled space after its last frame (J1.1; recovery cuts it)",
+                f"{tail.path} ends with {tail.after} bytes of zero-filled space after its last frame "
+                "(J1.1: a live coordinator's, or a crashed one's)",
             )
         )
     roots = pool.roots.get(view.directory)
@@ -270,6 +379,7 @@ def _queue_findings(
                 ERROR,
                 path,
                 f"queue {view.queue_id!r} names data it cannot read: {message}",
+                roots=tuple(sorted(roots.unreadable_by.get((path, message), ()))),
             )
         )
     return out + _root_findings(pool, view, roots, claims)
@@ -285,16 +395,17 @@ def _root_findings(pool: Pool, view: QueueView, roots: RootSet, claims: dict[Fin
     queue = f"queue {view.queue_id!r}"
     for path in sorted(roots.packs):
         lost = f"lost: {roots.lost(path)}"
+        names = tuple(sorted(roots.reached_by.get(path, ())))
         if path not in on_disk:
             how = "was garbage-collected" if path in tombstones else "is gone"
             message = f"{queue} still needs {path}, which {how}; {lost}"
-            out.append(Finding("root.missing_pack", ERROR, path, message))
+            out.append(Finding("root.missing_pack", ERROR, path, message, roots=names))
         elif path in tombstones:
             message = (
                 f"{queue} needs {path} but it was garbage-collected (tombstoned; it can never be "
                 f"retained again, I15); {lost}"
             )
-            out.append(Finding("root.unowned", ERROR, path, message))
+            out.append(Finding("root.unowned", ERROR, path, message, roots=names))
         elif path not in owned:
             finding = Finding(
                 "root.unowned",
@@ -303,6 +414,7 @@ def _root_findings(pool: Pool, view: QueueView, roots: RootSet, claims: dict[Fin
                 f"{queue} needs {path} ({roots.lost(path)}) but its owner {owner} does not reach it (I16)",
                 "record it under the queue's owner (an add event under catalog/LOCK, refusing tombstoned "
                 "packs): retains more, never less",
+                roots=names,
             )
             claims[finding] = owner
             out.append(finding)
@@ -323,6 +435,12 @@ def _settled(root: str, view: QueueView, tail: Tail) -> bool:
 
 def _repair(pool: Pool, findings: list[Finding], claims: dict[Finding, str]) -> list[Finding]:
     repaired: list[Finding] = []
+    torn = [f for f in findings if f.code == "catalog.torn_tail"]
+    if torn:
+        # Read again under catalog/LOCK and zero only a torn tail still there (G2).
+        _, done = read_catalog(pool.root, fix=True)
+        if done:
+            repaired += torn
     if claims:
         repaired += _own_roots(pool.root, claims)
     tombstoned = [f for f in findings if f.code == "pack.tombstoned_present"]
@@ -397,7 +515,7 @@ def _cut_journal(root: str, view: QueueView) -> bool:
         tail = scan_journal(root, view.directory, tag).tail
         if tail is None or tail.kind != "torn":
             return False
-        durable.cut_tail(os.path.join(root, tail.path), tail.offset, posix.sync_file)
+        durable.zero_tail(os.path.join(root, tail.path), tail.offset, posix.sync_file)
         return True
     finally:
         lock.unlock(fd)

@@ -8,8 +8,9 @@ from typing import Any
 
 from ..errors import QueueError
 from .check import CheckReport, check_pool
-from .layout import NotAPool
+from .layout import NotAPool, open_pool
 from .render import render_check, render_inspect, render_why
+from .repair import RepairRefused, forget_owner, rebuild_catalog
 from .save_view import inspect_save, render_save
 from .view import UnknownPack, inspect_pool, why
 
@@ -17,9 +18,16 @@ CHECK_DESCRIPTION = """\
 Verify a pool: every pack frame and checksum, every journal and catalog frame,
 that every live root of every queue is owned and every owned pack exists.
 Read-only unless --fix, which only makes repairs that cannot lose acknowledged
-data (docs/CHECK.md): finishing the unlink of a tombstoned pack, cutting a torn
+data (docs/CHECK.md): finishing the unlink of a tombstoned pack, zeroing a torn
 journal or catalog tail, recording a queue root its queue's owner lost. Journals
 of queues whose coordinator is alive are never touched.
+
+Explicit repairs (docs/CHECK.md), only with every writer and coordinator stopped:
+--rebuild-catalog --owner NAME [--owner NAME ...] replaces a missing, damaged or
+shortened catalog with one where every queue owns exactly its roots and each
+listed owner keeps every pack on disk (nothing is dropped; retain or release
+them again afterwards); --forget-owner OWNER releases the owner of a queue whose
+files are gone.
 """
 
 CHECK_EXIT_CODES = """\
@@ -57,6 +65,20 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="list informational notes too (hidden from the table by default; --json has them all)",
     )
+    repairs = parser.add_mutually_exclusive_group()
+    repairs.add_argument(
+        "--rebuild-catalog",
+        action="store_true",
+        help="replace a lost or damaged catalog (needs --owner; docs/CHECK.md)",
+    )
+    repairs.add_argument("--forget-owner", metavar="OWNER", help="release the owner of a lost queue")
+    parser.add_argument(
+        "--owner",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --rebuild-catalog: an owner that keeps every pack (repeatable)",
+    )
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +104,35 @@ def _json(document: Any) -> str:
     return json.dumps(document, indent=2, sort_keys=True)
 
 
+def _explicit_repair(options: argparse.Namespace) -> str:
+    """Run ``--rebuild-catalog`` or ``--forget-owner``; what it did, as a sentence ("" for none)."""
+    if options.owner and not options.rebuild_catalog:
+        raise RepairRefused("--owner is only meaningful with --rebuild-catalog")
+    if options.rebuild_catalog:
+        root = open_pool(options.pool)
+        done = rebuild_catalog(root, options.owner)
+        queues = ", ".join(f"{o} ({n} packs)" for o, n in sorted(done.queues.items())) or "none"
+        kept = ", ".join(done.kept) or "nothing (no old catalog file)"
+        return (
+            f"straw: rebuilt the catalog: {', '.join(done.owners)} keep all {done.packs} packs; queue "
+            f"owners with their roots: {queues}; the old catalog is kept as {kept}"
+        )
+    if options.forget_owner:
+        packs = forget_owner(open_pool(options.pool), options.forget_owner)
+        return f"straw: released owner {options.forget_owner} (it reached {packs} packs)"
+    return ""
+
+
 def run_check(options: argparse.Namespace) -> Outcome:
     """``straw check``; the command line prints the texts (no printing below straw/cli/)."""
+    try:
+        note = _explicit_repair(options)
+    except NotAPool as error:
+        return _fail(str(error))
+    except RepairRefused as error:
+        return _fail(f"repair refused: {error}")
+    except (OSError, QueueError) as error:
+        return _fail(f"cannot repair {options.pool}: {error}")
     try:
         report: CheckReport = check_pool(options.pool, fix=options.fix, run_id=options.run_id)
     except NotAPool as error:
@@ -96,7 +145,7 @@ def run_check(options: argparse.Namespace) -> Outcome:
         text = render_check(report, fixed=options.fix, verbose=options.verbose)
     if report.foreign:
         return 2, text, f"straw: {options.pool} holds data of another run than {options.run_id!r}"
-    return (0 if report.ok else 1), text, ""
+    return (0 if report.ok else 1), text, note
 
 
 def run_inspect(options: argparse.Namespace) -> Outcome:

@@ -11,9 +11,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._catalog.collect import queue_directories
+from .._queue.progress import parse_progress
 from ..backend import FilesystemBackend
 from ..errors import QueueError
-from ..protocol import RecordRef, RecordSetRef, decode
+from ..protocol import RecordRef, RecordSetRef
 from ..store import ReadSession
 from .catalog_view import CatalogView, read_catalog
 from .layout import Layout, list_pool, open_pool, writer_alive
@@ -28,6 +30,7 @@ class RootSet:
     refs: int = 0
     packs: set[str] = field(default_factory=set)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (pack or "", message)
+    unreadable_by: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # -> names of roots
     reached_by: dict[str, set[str]] = field(default_factory=dict)  # pack -> names of roots reaching it
 
     def lost(self, pack: str, limit: int = 5) -> str:
@@ -49,20 +52,26 @@ class Pool:
     unreadable: dict[str, str] = field(default_factory=dict)  # pack -> OS error text
     alive: dict[str, bool] = field(default_factory=dict)  # writer -> alive
     roots: dict[str, RootSet] = field(default_factory=dict)  # queue directory -> roots
-    catalog_repaired: list[tuple[str, str, str, str]] = field(default_factory=list)
+    vanished: set[str] = field(default_factory=set)  # listed packs gone before they were scanned
 
     @property
     def on_disk(self) -> dict[str, int]:
-        return {p.path: p.size for p in self.layout.packs}
+        return {p.path: p.size for p in self.layout.packs if p.path not in self.vanished}
 
 
-def gather(root: str | os.PathLike[str], *, fix_catalog: bool = False, scan: bool = True) -> Pool:
-    """Read the pool; raises :class:`NotAPool` for a directory that is not one."""
+def gather(root: str | os.PathLike[str], *, scan: bool = True) -> Pool:
+    """Read the pool; raises :class:`NotAPool` for a directory that is not one.
+
+    Order matters beside live users: journals first (a coordinator owns before its journal
+    names a reference, G6), then the catalog (ownership), then the listing of ``raw/`` (so a
+    pack the catalog saw owned and a collector removed since is a pack a second pass does
+    not see owned), then the packs (one collected while scanned is "vanished", not damaged).
+    """
     path = open_pool(root)
+    queues = [load_queue(path, q) for q in queue_directories(path)]
+    catalog, _ = read_catalog(path)
     layout = list_pool(path)
-    queues = [load_queue(path, q) for q in layout.queues]
-    catalog, repaired = read_catalog(path, fix=fix_catalog)
-    pool = Pool(path, layout, catalog, queues, catalog_repaired=repaired)
+    pool = Pool(path, layout, catalog, queues)
     dead = catalog.state.dead_writers
     for pack in layout.packs:
         if pack.writer not in pool.alive:
@@ -72,6 +81,8 @@ def gather(root: str | os.PathLike[str], *, fix_catalog: bool = False, scan: boo
         if scan and pack.path not in catalog.state.tombstones:
             try:
                 pool.scans[pack.path] = scan_pack(os.path.join(path, pack.path), pack.path)
+            except FileNotFoundError:
+                pool.vanished.add(pack.path)  # collected after the listing
             except OSError as error:
                 pool.unreadable[pack.path] = error.strerror or str(error)
     for view in queues:
@@ -135,6 +146,7 @@ def _walk(session: ReadSession, top: RecordSetRef, names: list[str], out: RootSe
             _reach(out, path, names)
             if (path, str(error)) not in out.unreadable:
                 out.unreadable.append((path, str(error)))
+            out.unreadable_by.setdefault((path, str(error)), set()).update(names)
             continue
         _reach(out, ref.manifest.segment.path, names)
         for record in resolved.records:
@@ -143,17 +155,19 @@ def _walk(session: ReadSession, top: RecordSetRef, names: list[str], out: RootSe
 
 
 def _acknowledgements(session: ReadSession, view: QueueView, out: RootSet) -> tuple[set[int], set[str]]:
-    """Positions and batches the training consumer's progress record acknowledges."""
+    """Positions and batches the training consumer's progress record acknowledges.
+
+    Read with the coordinator's own parser (``parse_progress``): a record it would refuse is
+    a finding here, never a crash, and acknowledges nothing (every result stays a root).
+    """
     ref = progress_ref(view)
     if ref is None:
         return set(), set()
+    path = ""
     try:
-        records = list(session.read(RecordSetRef.from_dict(ref)))
-        body = decode(records[0].payload) if len(records) == 1 else None
+        top = RecordSetRef.from_dict(ref)
+        path = top.manifest.segment.path
+        return parse_progress(list(session.read(top)))
     except (QueueError, OSError, KeyError, TypeError, ValueError) as error:
-        out.unreadable.append((str(ref.get("manifest", {}).get("segment", {}).get("path", "")), str(error)))
+        out.unreadable.append((path, f"the training consumer's progress record cannot be used: {error}"))
         return set(), set()
-    if not isinstance(body, dict):
-        return set(), set()
-    positions = {int(p) for p in body.get("processed_positions", [])}
-    return positions, {str(b) for b in body.get("finished_batches", [])}

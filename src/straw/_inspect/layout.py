@@ -7,7 +7,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .._fs import lock
+from .._catalog.collect import queue_directories
+from .._fs import lock, posix
 from ..store import POOL_FORMAT, POOL_MARKER
 
 WRITER_NAME = re.compile(r"[0-9a-f]{32}")
@@ -38,17 +39,17 @@ class Layout:
     writers: list[str] = field(default_factory=list)
     queues: list[str] = field(default_factory=list)  # pool-relative queue directories
     strays: list[str] = field(default_factory=list)  # names under raw/ that straw never writes
+    links: list[str] = field(default_factory=list)  # packs and metadata files that are symbolic links
 
 
 def open_pool(root: str | os.PathLike[str]) -> str:
     """The absolute root of a pool, or :class:`NotAPool` saying why it is not one."""
     path = os.path.abspath(os.fspath(root))
-    if not os.path.isdir(path):
+    if not posix.isdir(path):
         raise NotAPool(f"{path} is not a directory")
     marker = os.path.join(path, POOL_MARKER)
     try:
-        with open(marker, "rb") as handle:
-            text = handle.read(4096)
+        text = posix.read_file(marker, 4096)
     except FileNotFoundError:
         raise NotAPool(f"{path} is not a straw pool (no {POOL_MARKER})") from None
     except OSError as error:
@@ -66,7 +67,7 @@ def open_pool(root: str | os.PathLike[str]) -> str:
 
 def _listdir(path: str) -> list[str]:
     try:
-        return sorted(os.listdir(path))
+        return sorted(posix.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return []
 
@@ -83,21 +84,33 @@ def list_pool(root: str) -> Layout:
         for name in _listdir(os.path.join(raw, writer)):
             relative = f"raw/{writer}/{name}"
             if PACK_NAME.fullmatch(name):
+                full = os.path.join(root, relative)
                 try:
-                    size = os.path.getsize(os.path.join(root, relative))
+                    size = posix.getsize(full)
                 except FileNotFoundError:
                     continue  # collected while we listed
+                if posix.islink(full):
+                    layout.links.append(relative)
                 layout.packs.append(PackFile(relative, writer, size))
             elif name.endswith(".tmp"):
                 layout.temps.append(relative)
             elif name != LIVE_FILE:
                 layout.strays.append(relative)
-    if os.path.isdir(os.path.join(root, "queue")):
-        layout.queues.append("queue")
-    for digest in _listdir(os.path.join(root, "queues")):
-        if os.path.isdir(os.path.join(root, "queues", digest)):
-            layout.queues.append(f"queues/{digest}")
+    layout.queues = queue_directories(root)
+    layout.links += _metadata_links(root, layout)
     return layout
+
+
+def _metadata_links(root: str, layout: Layout) -> list[str]:
+    """Pool-relative metadata files that are symbolic links (straw never makes one)."""
+    names = [POOL_MARKER]
+    names += [f"catalog/{n}" for n in _listdir(os.path.join(root, "catalog"))]
+    names += [f"raw/{w}/{LIVE_FILE}" for w in layout.writers]
+    for queue in layout.queues:
+        names += [f"{queue}/{n}" for n in _listdir(os.path.join(root, queue))]
+        for sub in ("wal", "snap"):
+            names += [f"{queue}/{sub}/{n}" for n in _listdir(os.path.join(root, queue, sub))]
+    return [name for name in names if posix.islink(os.path.join(root, name))]
 
 
 def writer_alive(root: str, writer: str, dead: set[str]) -> bool:
@@ -110,7 +123,7 @@ def writer_alive(root: str, writer: str, dead: set[str]) -> bool:
     if writer in dead:
         return False
     path = os.path.join(root, "raw", writer, LIVE_FILE)
-    if not os.path.exists(path):
+    if not posix.exists(path):
         return True
     try:
         fd = lock.try_lock_exclusive(path)

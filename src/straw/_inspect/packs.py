@@ -9,11 +9,11 @@ way docs/CHECK.md explains: zeros written ahead (D1.2a), an unfinished append
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import xxhash
 
+from .._fs import posix
 from .._pack import frame
 from ..errors import CorruptData, UnsupportedSchema
 from ..limits import INDEX_BYTES_MAX
@@ -60,13 +60,13 @@ class _File:
         self.fd, self.size = fd, size
 
     def read(self, size: int, offset: int) -> bytes:
-        return os.pread(self.fd, size, offset)
+        return bytes(posix.pread_exact(self.fd, size, offset))
 
     def digest(self, start: int, length: int) -> str:
         hasher = xxhash.xxh3_128()
         position, end = start, start + length
         while position < end:
-            chunk = os.pread(self.fd, min(READ_BYTES, end - position), position)
+            chunk = posix.pread_exact(self.fd, min(READ_BYTES, end - position), position)
             if not chunk:
                 break
             hasher.update(chunk)
@@ -77,7 +77,7 @@ class _File:
         """True when every byte from ``start`` to the end of the file is zero."""
         position = start
         while position < self.size:
-            chunk = os.pread(self.fd, min(READ_BYTES, self.size - position), position)
+            chunk = bytes(posix.pread_exact(self.fd, min(READ_BYTES, self.size - position), position))
             if not chunk or chunk.strip(b"\0"):
                 return not chunk
             position += len(chunk)
@@ -89,14 +89,14 @@ class _File:
 
 def scan_pack(path: str, relative: str) -> PackScan:
     """Scan a pack; raises ``OSError`` only when the file cannot be opened or read."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = posix.open_read(path)
     try:
-        size = os.fstat(fd).st_size
+        size = posix.fstat_size(fd)
         scan = PackScan(relative, size)
         _scan(_File(fd, size), scan)
         return scan
     finally:
-        os.close(fd)
+        posix.close_quietly(fd)
 
 
 def _scan(file: _File, scan: PackScan) -> None:

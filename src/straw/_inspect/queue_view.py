@@ -12,13 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._catalog.state import queue_owner
+from .._fs import posix
 from .._journal import frame as journal_frame
+from .._journal import scan
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
-from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING, queue_owner
+from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
 from ..protocol import as_dict, decode
 from .journal_scan import JournalScan, scan_journal
 
 _LIMIT_KEYS = ("max_result_bytes", "max_result_tokens", "metadata_bytes")
+#: Reads of a journal that a live coordinator keeps replacing files of, before giving up.
+JOURNAL_READS_MAX = 5
 
 
 @dataclass
@@ -32,6 +37,7 @@ class QueueView:
     granted: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)  # -> (seq, deadline)
     newest_deadline: float | None = None
     problems: list[tuple[str, str, str, str]] = field(default_factory=list)
+    unidentified: bool = False  # a journal (even one of no frames) without queue.json: no owner name
 
     @property
     def run_id(self) -> str | None:
@@ -51,9 +57,23 @@ class QueueView:
 def _identity(root: str, view: QueueView) -> None:
     relative = f"{view.directory}/{IDENTITY_FILE}"
     try:
-        with open(os.path.join(root, relative), "rb") as handle:
-            found = decode(handle.read())
+        found = decode(posix.read_file(os.path.join(root, relative)))
     except FileNotFoundError:
+        if scan.listing(os.path.join(root, view.directory, scan.SNAP_DIR), ".snap") or _frames_in_wal(
+            root, view.directory
+        ):
+            view.problems.append(
+                (
+                    "queue.identity",
+                    "error",
+                    relative,
+                    f"{relative} is missing but the queue's journal holds frames (queue.json was lost): "
+                    "recovery checks the coordinator against the identity the journal recorded and "
+                    "writes it again; restore it from a copy if the journal recorded none",
+                )
+            )
+            view.unidentified = True
+            return
         view.problems.append(
             (
                 "queue.no_identity",
@@ -62,6 +82,11 @@ def _identity(root: str, view: QueueView) -> None:
                 f"{relative} is missing (a queue that never served a call)",
             )
         )
+        # J1: segment 1 exists before the owner is recorded, and queue.json only after it. A
+        # coordinator that died in between left this directory's owner in the catalog, under a
+        # name check cannot compute without queue.json (recovery writes queue.json again).
+        if scan.listing(os.path.join(root, view.directory, scan.WAL_DIR), ".wal"):
+            view.unidentified = True
         return
     except Exception as error:
         view.problems.append(("queue.identity", "error", relative, f"{relative} cannot be read ({error})"))
@@ -87,10 +112,42 @@ def load_queue(root: str, directory: str) -> QueueView:
     if view.identity is None:
         return view
     tag = journal_frame.identity_tag(view.identity["run_id"], view.identity["queue_id"])
-    view.journal = scan_journal(root, directory, tag)
+    for attempt in range(JOURNAL_READS_MAX):
+        try:
+            view.journal = scan_journal(root, directory, tag)
+            break
+        except FileNotFoundError:
+            # A live coordinator replaced a segment or snapshot between the listing and the
+            # read (J5.4): read the journal again from its new listing.
+            if attempt == JOURNAL_READS_MAX - 1:
+                raise
     view.problems += view.journal.problems
+    if view.journal.empty:
+        relative = f"{directory}/{IDENTITY_FILE}"
+        view.problems.append(
+            (
+                "journal.missing",
+                "error",
+                relative,
+                f"{relative} exists but the queue has no journal segment or snapshot: its journal was "
+                "lost (a queue writes segment 1 before queue.json); recovery refuses it",
+            )
+        )
+        return view
     _replay(view)
     return view
+
+
+def _frames_in_wal(root: str, directory: str) -> bool:
+    """Whether any journal segment of the queue holds more than its header and zeros."""
+    for _, path in scan.listing(os.path.join(root, directory, scan.WAL_DIR), ".wal"):
+        try:
+            data = posix.read_file(path)
+        except FileNotFoundError:
+            continue
+        if data[journal_frame.SEGMENT_HEADER_BYTES :].strip(b"\0"):
+            return True
+    return False
 
 
 def _replay(view: QueueView) -> None:
@@ -104,13 +161,18 @@ def _replay(view: QueueView) -> None:
             "metadata_bytes": 256 * 1024,
         }
     seq = view.journal.snapshot_seq
+    recorded: Any = None
     try:
         state = new_state(identity["run_id"], identity["queue_id"], limits)
         if view.journal.snapshot is not None:
-            state = state_from_dict(decode(view.journal.snapshot), limits)
+            data = decode(view.journal.snapshot)
+            recorded = data.get("identity") if isinstance(data, dict) else None
+            state = state_from_dict(data, limits)
         for seq, body in view.journal.frames:
             event = decode(body)
             state.apply(event)
+            if isinstance(event, dict) and event.get("op") == "epoch" and "identity" in event:
+                recorded = event["identity"]
             if isinstance(event, dict) and event.get("op") == "acquire":
                 for task_id, attempt_id, _ in event["grants"]:
                     view.granted[(task_id, attempt_id)] = (seq, float(event["deadline"]))
@@ -126,6 +188,28 @@ def _replay(view: QueueView) -> None:
         )
         return
     view.state = state
+    _compare_identity(view, recorded)
+
+
+def _compare_identity(view: QueueView, recorded: Any) -> None:
+    """I21: queue.json must say what the journal last recorded (recovery refuses otherwise)."""
+    identity = view.identity or {}
+    if not isinstance(recorded, dict):
+        return
+    differ = [
+        k for k in ("run_id", "queue_id", "exclusive_owner", "limits") if identity.get(k) != recorded.get(k)
+    ]
+    if differ:
+        relative = f"{view.directory}/{IDENTITY_FILE}"
+        view.problems.append(
+            (
+                "queue.identity",
+                "error",
+                relative,
+                f"{relative} disagrees with the identity the queue's journal recorded ({', '.join(differ)}): "
+                "it was changed or damaged; recovery refuses it",
+            )
+        )
 
 
 def describe(view: QueueView) -> dict[str, Any]:

@@ -22,26 +22,17 @@ from typing import Any
 
 from .._fs import durable, posix
 from ..backend import FilesystemBackend
-from ..errors import CorruptData, UnsafeRecovery, invariant
-from ..limits import JOURNAL_PREALLOC_BYTES, JOURNAL_SYNCS_IN_FLIGHT
-from . import frame
+from ..errors import UnsafeRecovery, invariant
+from ..limits import JOURNAL_PREALLOC_BYTES, JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
+from . import frame, scan
+from .scan import SNAP_DIR, WAL_DIR
 
-WAL_DIR = "wal"
-SNAP_DIR = "snap"
 _DIGITS = 20
+_listing = scan.listing
 
 
 def _name(seq: int, suffix: str) -> str:
     return f"{seq:0{_DIGITS}d}{suffix}"
-
-
-def _listing(directory: str, suffix: str) -> list[tuple[int, str]]:
-    """(seq, path) of the files in ``directory`` named by a sequence number, in order."""
-    out = []
-    for name in posix.listdir(directory):
-        if name.endswith(suffix) and len(name) == _DIGITS + len(suffix) and name[:_DIGITS].isdigit():
-            out.append((int(name[:_DIGITS]), os.path.join(directory, name)))
-    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -52,7 +43,11 @@ class Recovered:
     snapshot_seq: int
     last_seq: int
     chain: bytes
-    truncated: str | None  # why a torn tail was cut, if one was
+    truncated: str | None  # why a torn tail was zeroed, if one was
+
+
+class _Reached(Exception):
+    """A read-only replay (``upto``) reached the live appender's frames."""
 
 
 class Journal:
@@ -83,16 +78,17 @@ class Journal:
         self._allocated = 0
         self.bytes_since_snapshot = 0
         self.snapshot_bytes = 0
+        #: The last segment a replay walked and the end of its frames: cut there once the next
+        #: segment exists, so it never again looks like a newest segment (J7).
+        self._replayed_end: tuple[str, int] | None = None
+        self.walked: scan.JournalWalk | None = None
         self.metrics = {"appends": 0, "syncs": 0, "batches": 0, "snapshots": 0}
 
     # -- layout ---------------------------------------------------------------------
 
     def exists(self) -> bool:
         """True if any segment or snapshot is present (a fresh queue must not open over it)."""
-        for sub, suffix in ((self.wal, ".wal"), (self.snap, ".snap")):
-            if posix.isdir(sub) and _listing(sub, suffix):
-                return True
-        return False
+        return any(_listing(sub, suffix) for sub, suffix in ((self.wal, ".wal"), (self.snap, ".snap")))
 
     def create_dirs(self, stop: str) -> None:
         for sub in (self.wal, self.snap):
@@ -113,79 +109,62 @@ class Journal:
     def replay(
         self, apply: Callable[[int, bytes], None], load: Callable[[bytes], None], *, upto: int | None = None
     ) -> Recovered:
-        """Hand the newest snapshot to ``load``, every later frame to ``apply``, and cut a torn tail (J4).
+        """Hand the newest snapshot to ``load``, every later frame to ``apply``; zero a torn tail (J4).
 
-        With ``upto``, a read-only look at the durable history of a journal still open for
-        appends: frames after ``upto`` are not applied, nothing is cut or synced.
+        The walk is ``scan.walk_journal``, the one ``straw check`` uses; recovery raises its
+        first problem (J4.3, J7) and repairs only a torn tail of the last segment. With
+        ``upto``, a read-only look at the durable history of a journal still open for appends:
+        the walk stops after frame ``upto``, nothing is zeroed or synced, this object is unchanged.
         """
-        snapshot, seq, chain = self._load_snapshot()
-        if snapshot is not None:
-            load(snapshot)
-        segments = _listing(self.wal, ".wal")
-        truncated = None
-        # Segments wholly covered by the snapshot are skipped; the rest must follow each other.
-        start = 0
-        for i, (first, _) in enumerate(segments):
-            if first <= seq + 1:
-                start = i
-        live = segments[start:]
-        position_seq = None
-        for number, (first, path) in enumerate(live):
-            last_segment = number == len(live) - 1
-            data = self._read_file(path)
-            header = frame.decode_segment_header(data, frame.SEGMENT_MAGIC)
-            self._check_tag(header.tag, path)
-            if position_seq is None:
-                if first > seq + 1:
-                    raise CorruptData(f"journal gap: {path} starts at {first}, the snapshot ends at {seq}")
-                running_seq, running_chain = first - 1, header.chain_in
-            else:
-                running_seq, running_chain = position_seq
-                if first != running_seq + 1 or header.chain_in != running_chain:
-                    raise CorruptData(f"journal segment {path} does not continue the previous segment")
-            at = frame.SEGMENT_HEADER_BYTES
-            while True:
-                verdict = frame.classify(data, at, running_seq + 1, running_chain)
-                if verdict.decision is frame.Decision.FRAME and verdict.frame is not None:
-                    found = verdict.frame
-                    if upto is not None and found.seq > upto:
-                        break
-                    running_seq, running_chain, at = found.seq, found.chain, found.end
-                    if found.seq > seq:
-                        apply(found.seq, found.body)
-                        seq, chain = found.seq, found.chain
-                    elif found.seq == seq and found.chain != chain:
-                        raise CorruptData(
-                            f"journal frame {seq} disagrees with the snapshot (foreign journal)"
-                        )
-                    continue
-                if verdict.decision is frame.Decision.END:
-                    break
-                if (
-                    verdict.decision is frame.Decision.TORN
-                    and not last_segment
-                    and not data[at:].strip(b"\0")
-                ):
-                    break  # zero-filled space a later segment took over from (J1.1): its end
-                if verdict.decision is frame.Decision.TORN and last_segment:
-                    if upto is not None:
-                        break  # read-only: the tail is the live appender's to settle
-                    durable.cut_tail(path, at, self.backend.sync_file)
-                    truncated = f"{os.path.basename(path)}: {verdict.reason}; cut at byte {at}"
-                    break
-                raise CorruptData(f"journal {path}: {verdict.reason}; refusing to recover past damage")
-            position_seq = (running_seq, running_chain)
+        snapshot: list[bytes] = []
+        applied = [0]  # the last frame handed to ``apply``
+
+        def loaded(body: bytes) -> None:
+            snapshot.append(body)
+            load(body)
+
+        def applying(seq: int, body: bytes) -> None:
+            if upto is not None and seq > upto:
+                raise _Reached  # frames past the durable position belong to the live appender
+            apply(seq, body)
+            applied[0] = seq
+
+        try:
+            walked = scan.walk_journal(self.directory, self.tag, applying, loaded)
+        except _Reached:
+            return Recovered(
+                snapshot[-1] if snapshot else None, self.segment_first_seq, applied[0], b"", None
+            )
+        except OSError as error:
+            raise posix.storage_error(error, f"reading journal {self.directory}") from error
+        if walked.problem is not None:
+            raise walked.problem.error(walked.problem.message)
         if upto is not None:
-            return Recovered(snapshot, self.segment_first_seq, seq, chain, None)
-        if live and truncated is None:
-            # J4.3: frames a killed process wrote but never synced are in the page cache, and
-            # this replay just applied them. Sync before anything is built on them, so that a
-            # later power loss cannot take back what the recovered coordinator has served.
-            self._sync_path(live[-1][1])
-        self._next_seq = seq + 1
-        self._chain = chain
-        self._durable = self._written = seq
-        return Recovered(snapshot, self.segment_first_seq, seq, chain, truncated)
+            body = snapshot[-1] if snapshot else None
+            return Recovered(body, walked.snapshot_seq, walked.last_seq, walked.chain, None)
+        self.walked = walked
+        if walked.snapshot_path is not None:
+            self.segment_first_seq = walked.snapshot_seq
+            self.snapshot_bytes = walked.snapshot_bytes
+        truncated = None
+        end, path = walked.end, walked.end_path
+        if end is not None and path is not None:
+            if end.kind == scan.TORN:
+                # J4.3: a crashed append's frame, never acknowledged; zeroed (not cut), so the
+                # segment still ends in zeros (J7) if this recovery dies before its own segment.
+                durable.zero_tail(path, end.offset, self.backend.sync_file)
+                truncated = f"{os.path.basename(path)}: {end.reason}; zeroed from byte {end.offset}"
+            else:
+                # J4.3: frames a killed process wrote but never synced are in the page cache, and
+                # this replay just applied them. Sync before anything is built on them, so that a
+                # later power loss cannot take back what the recovered coordinator serves.
+                self._sync_path(path)
+            self._replayed_end = (path, end.offset)
+        self._next_seq = walked.last_seq + 1
+        self._chain = walked.chain
+        self._durable = self._written = walked.last_seq
+        body = snapshot[-1] if snapshot else None
+        return Recovered(body, self.segment_first_seq, walked.last_seq, walked.chain, truncated)
 
     def _sync_path(self, path: str) -> None:
         try:
@@ -197,34 +176,11 @@ class Journal:
         except OSError as error:
             raise posix.storage_error(error, f"syncing journal {path}") from error
 
-    def _check_tag(self, tag: bytes, path: str) -> None:
-        if tag != self.tag:
-            raise UnsafeRecovery(f"{path} belongs to another run or queue; refusing to recover from it")
-
     def _read_file(self, path: str) -> bytes:
         try:
             return posix.read_file(path)
         except OSError as error:
             raise posix.storage_error(error, f"reading journal {path}") from error
-
-    def _load_snapshot(self) -> tuple[bytes | None, int, bytes]:
-        snapshots = _listing(self.snap, ".snap")
-        if not snapshots:
-            return None, 0, frame.genesis_chain(self.tag)
-        seq, path = snapshots[-1]
-        data = self._read_file(path)
-        header = frame.decode_segment_header(data, frame.SNAPSHOT_MAGIC)
-        self._check_tag(header.tag, path)
-        verdict = frame.classify(data, frame.SEGMENT_HEADER_BYTES, seq, header.chain_in)
-        if (
-            verdict.decision is not frame.Decision.FRAME
-            or verdict.frame is None
-            or verdict.frame.end != len(data)
-        ):
-            raise CorruptData(f"snapshot {path} is damaged ({verdict.reason}); refusing to recover")
-        self.segment_first_seq = seq
-        self.snapshot_bytes = len(data)
-        return verdict.frame.body, seq, header.chain_in
 
     # -- segments (J1, J5) ------------------------------------------------------------
 
@@ -234,26 +190,45 @@ class Journal:
         first = self._next_seq
         path = os.path.join(self.wal, _name(first, ".wal"))
         header = frame.encode_segment_header(frame.SEGMENT_MAGIC, first, self._chain, self.tag)
+        allocated = frame.SEGMENT_HEADER_BYTES + JOURNAL_PREALLOC_BYTES
         if posix.exists(path):
-            # A segment that starts here but holds no frame (replay ended before its first frame).
-            tail = self._read_file(path)[frame.SEGMENT_HEADER_BYTES :]
-            invariant(not tail.strip(b"\0"), "only an empty segment is reused")
-            posix.unlink(path)
-        durable.create_file(path, [header], self.backend.sync_file, self.backend.sync_dir)
+            # A segment that starts here but holds no frame (replay ended before its first frame):
+            # it is the segment this would create, so it is used as it is. Removing it first
+            # would let a crash in between leave the previous segment as the newest, cut at its
+            # last frame (J7), which recovery then refuses.
+            data = self._read_file(path)
+            invariant(not data[frame.SEGMENT_HEADER_BYTES :].strip(b"\0"), "only an empty segment is reused")
+            if data[: frame.SEGMENT_HEADER_BYTES] != header or len(data) < allocated // 2:
+                durable.replace_file(
+                    path,
+                    [header, bytes(JOURNAL_PREALLOC_BYTES)],
+                    self.backend.sync_file,
+                    self.backend.sync_dir,
+                )
+            else:
+                allocated = len(data)
+        else:
+            # J1.1, J7: the segment is made visible with its zeros written ahead, in one D0, so no
+            # segment is ever seen without zeros after its frames. Appends then overwrite allocated
+            # blocks and their fdatasync need not commit a size change (about a third faster here).
+            durable.create_file(
+                path, [header, bytes(JOURNAL_PREALLOC_BYTES)], self.backend.sync_file, self.backend.sync_dir
+            )
         fd = posix.open_append(path)
-        # J1.1: zero-fill ahead, so an append overwrites allocated blocks and its fdatasync
-        # need not commit a size change (about a third faster here). Recovery cuts the zeros.
-        posix.pwrite_all(fd, [bytes(JOURNAL_PREALLOC_BYTES)], frame.SEGMENT_HEADER_BYTES)
-        self.backend.sync_file(fd)
         old, old_end = self._fd, self._offset
         if old >= 0 and self._allocated > old_end:
             # The previous segment ends at its last frame again (a crash before this leaves a
             # zero tail there, which replay accepts only because this segment continues it).
             posix.truncate(old, old_end)
             self.backend.sync_file(old)
+        elif old < 0 and self._replayed_end is not None and self._replayed_end[0] != path:
+            # The same after a recovery (J7): if this new segment were ever lost, the one
+            # before it must not pass for the newest, so it ends at its last frame from now on.
+            durable.cut_tail(*self._replayed_end, self.backend.sync_file)
+        self._replayed_end = None
         self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
         self._durable_end = frame.SEGMENT_HEADER_BYTES
-        self._allocated = frame.SEGMENT_HEADER_BYTES + JOURNAL_PREALLOC_BYTES
+        self._allocated = allocated
         self.segment_first_seq = first
         if old >= 0:
             posix.close_quietly(old)
@@ -276,18 +251,21 @@ class Journal:
             self._fd = -1
 
     def close(self) -> None:
-        """Close the segment; a clean close cuts the zero-filled space after the last frame."""
+        """Close the segment; a clean close cuts the zeros after the last frame to LOG_CLOSE_ZEROS."""
         self._quiesce()
         if self._fd >= 0:
             try:
                 if self._failed is not None:
                     # J3.1: frames past the last durable one were never acknowledged, and after
-                    # a failed write or sync no later sync proves them durable (A3). Cut them, so
-                    # a recovery in this boot does not build on bytes a power loss may revert.
-                    posix.truncate(self._fd, self._durable_end)
+                    # a failed write or sync no later sync proves them durable (A3). Zero them
+                    # (the segment keeps its zeros, J7), so a recovery in this boot does not
+                    # build on bytes a power loss may revert.
+                    zeros = max(self._allocated - self._durable_end, LOG_CLOSE_ZEROS)
+                    posix.pwrite_all(self._fd, [bytes(zeros)], self._durable_end)
                     self.backend.sync_file(self._fd)
-                elif not self._pending and self._allocated > self._offset:
-                    posix.truncate(self._fd, self._offset)
+                elif not self._pending and self._allocated > self._offset + LOG_CLOSE_ZEROS:
+                    # J7: the newest segment keeps zeros after its frames, even closed.
+                    posix.truncate(self._fd, self._offset + LOG_CLOSE_ZEROS)
                     self.backend.sync_file(self._fd)
             except OSError:
                 pass  # the zeros (or the unacknowledged frames) stay: recovery decides (J4.3)
@@ -397,14 +375,15 @@ class Journal:
     def _write(self, batch: list[bytes], offset: int) -> int:
         end = offset + sum(len(b) for b in batch)
         self.backend.fault("before_journal_write")
-        written = posix.pwrite_all(self._fd, batch, offset)
         if end + JOURNAL_PREALLOC_BYTES // 2 > self._allocated:
-            # J1.1: keep zeros ahead, written and synced together with these frames. A crash
-            # may persist the zeros and not the frames: a zero tail, which recovery cuts.
-            start = max(self._allocated, end)
+            # J1.1, J7: keep zeros ahead, written and synced before the frames that land in
+            # them, so a crash can never leave a frame at the end of the file: whatever the
+            # frames' fate, zeros follow them (a file cut short is damage, not a crash).
             target = end + JOURNAL_PREALLOC_BYTES
-            posix.pwrite_all(self._fd, [bytes(target - start)], start)
+            posix.pwrite_all(self._fd, [bytes(target - self._allocated)], self._allocated)
+            self.backend.sync_file(self._fd)
             self._allocated = target
+        written = posix.pwrite_all(self._fd, batch, offset)
         self.backend.fault("after_journal_append")
         return written
 
@@ -434,7 +413,13 @@ class Journal:
             path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
         )
         self.backend.fault("after_snapshot_write")
-        self.start_segment()
+        try:
+            self.start_segment()
+        except BaseException as error:
+            # The snapshot is durable but the next segment may be half made: stop (J3), so
+            # nothing is appended to a segment a recovery would not continue from.
+            self._failed = error
+            raise
         # The snapshot and the new segment are durable; older files are no longer needed (J5.4).
         for old_seq, old in _listing(self.snap, ".snap"):
             if old_seq < seq:

@@ -2,6 +2,7 @@
 
 Subcommands:
 
+* ``straw demo``: the end-to-end RL job on a local Ray cluster (``straw.cli.demo``).
 * ``straw bench``: benchmark and verify a pool on one filesystem (``straw.benchmark``).
 * ``straw inspect POOL``: describe packs, owners and queues (``straw._inspect``).
 * ``straw check POOL [--fix]``: verify a pool and make only safe repairs (docs/CHECK.md).
@@ -18,6 +19,7 @@ from typing import Any
 
 from straw import benchmark
 from straw._inspect import cli as inspect_cli
+from straw.cli import demo
 
 __all__ = ["build_parser", "main"]
 
@@ -69,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     # layer than the command line (tests/test_tidy.py), so it is not imported here.
     parser.add_argument("--version", action="version", version=f"straw {benchmark.straw_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _command(
+        commands,
+        "demo",
+        "run the end-to-end RL job: Ray on 127.0.0.1, GRPO on the CPU, everything through a straw pool",
+        (demo.DESCRIPTION, demo.EXIT_CODES),
+        demo.add_arguments,
+        demo.run,
+    )
     _command(
         commands,
         "bench",

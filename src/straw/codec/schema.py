@@ -233,6 +233,7 @@ def unknown_class(name: str) -> UnknownClass:
 
 
 _PLAIN_TYPES = frozenset({type(None), bool, int, str})
+_SUMMABLE = frozenset({bool, int, float})
 
 
 def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
@@ -240,9 +241,38 @@ def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
     types = set(map(type, items))
     if types <= _PLAIN_TYPES:
         return True
-    if types <= _PLAIN_TYPES | {float}:
-        return all(math.isfinite(x) for x in items if type(x) is float)
-    return False
+    if not types <= _PLAIN_TYPES | {float}:
+        return False
+    if types <= _SUMMABLE:
+        # One C-level sum instead of a Python call per element (log-probs are long): a NaN or
+        # an infinity makes the sum non-finite, so a finite sum proves every element finite.
+        # A non-finite sum of finite elements (overflow) falls through to the exact check.
+        try:
+            if math.isfinite(sum(items)):
+                return True
+        except OverflowError:  # an int too large for a float
+            pass
+    return all(math.isfinite(x) for x in items if type(x) is float)
+
+
+_NOT_LEAF = object()
+
+
+def _leaf(value: Any) -> Any:
+    """The node of a value that needs no path, memo or cycle check (``_NOT_LEAF`` otherwise).
+
+    The same node :meth:`_Encoder.node` gives: JSON scalars and lists of them are most of a
+    sample's fields (token ids, log-probs, lease and provenance entries), and walking them
+    one call per field was most of the encoding time.
+    """
+    kind = type(value)
+    if value is None or kind is bool or kind is str or kind is int:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else _NOT_LEAF
+    if kind is list and _plain(value):
+        return list(value)
+    return _NOT_LEAF
 
 
 def _key_text(key: object) -> str:
@@ -272,6 +302,7 @@ class _Encoder:
         self.parts: list[Part] = []
         self.dependencies: list[Any] = []
         self.dependency_index: dict[Any, int] = {}
+        self.field_names: dict[type, list[str]] = {}  # per dataclass type (every sample shares one)
 
     def where(self) -> str:
         return "".join(self.path)
@@ -381,6 +412,11 @@ class _Encoder:
         self.enter(value, depth)
         items = []
         for key, item in value.items():
+            if type(key) is str:
+                leaf = _leaf(item)
+                if leaf is not _NOT_LEAF:
+                    items.append([key, leaf])
+                    continue
             component = f"[{_key_text(key)}]"
             key_node = self.child(component, key, depth) if type(key) is not str else key
             items.append([key_node, self.child(component, item, depth)])
@@ -454,7 +490,9 @@ class _Encoder:
     def dataclass(self, value: Any, depth: int) -> dict[str, Any]:
         cls = self.named(type(value))
         self.enter(value, depth)
-        names = [f.name for f in dataclasses.fields(value)]
+        names = self.field_names.get(type(value))
+        if names is None:
+            names = self.field_names[type(value)] = [f.name for f in dataclasses.fields(value)]
         edge = self.dependency_field(value) if self.dependency_fields else None
         if edge is not None and edge not in names:
             raise ValueError(f"{self.where()}: dependency field {edge!r} is not a field of {cls}")
@@ -472,12 +510,14 @@ class _Encoder:
                     )
                 fields.append([name, {"t": "rset", "d": self.dependency(item)}])
             else:
-                fields.append([name, self.child(f".{name}", item, depth)])
-        extra = [
-            [name, self.child(f".{name}", item, depth)]
-            for name, item in getattr(value, "__dict__", {}).items()
-            if name not in names
-        ]
+                leaf = _leaf(item)
+                fields.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
+        known = set(names)
+        extra = []
+        for name, item in getattr(value, "__dict__", {}).items():
+            if name not in known:
+                leaf = _leaf(item)
+                extra.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
         self.leave(value)
         return {"t": "dataclass", "cls": cls, "fields": fields, "attrs": extra}
 

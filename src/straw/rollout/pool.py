@@ -30,6 +30,7 @@ __all__ = [
     "RolloutStore",
     "close_rollout_stores",
     "open_reader",
+    "private_store",
     "probe_roundtrip",
     "rollout_store",
     "run_io",
@@ -108,22 +109,38 @@ def rollout_store(config: RolloutConfig) -> RolloutStore:
     with _writers_lock:
         found = _writers.get(key)
         if found is None:
-            root = key[1]
-            backend = FilesystemBackend(root, profile=config.rollout_storage_profile, declaration=declaration)
-            options: dict[str, Any] = {}
-            if config.rollout_queue_segment_mib is not None:  # otherwise straw's default applies
-                options["segment_target_bytes"] = config.rollout_queue_segment_mib * MIB
-            store = SharedFilesystemStore(
-                root,
-                config.run_id,
-                backend=backend,
-                codecs=STORE_CODECS,
-                online_gc=bool(config.rollout_queue_online_gc),
-                **options,
-            )
-            found = _writers[key] = (store, threading.RLock())
+            found = _writers[key] = (_open_store(config, declaration), threading.RLock())
     store, lock = found
     return RolloutStore(store, SampleCodec(store, config=config), lock)
+
+
+def _open_store(config: RolloutConfig, declaration: dict[str, Any] | None) -> SharedFilesystemStore:
+    root = config.rollout_data_dir
+    if root is None:  # pragma: no cover - _bound always sets it
+        raise ValueError("the pool is not bound")
+    backend = FilesystemBackend(root, profile=config.rollout_storage_profile, declaration=declaration)
+    options: dict[str, Any] = {}
+    if config.rollout_queue_segment_mib is not None:  # otherwise straw's default applies
+        options["segment_target_bytes"] = config.rollout_queue_segment_mib * MIB
+    return SharedFilesystemStore(
+        root,
+        config.run_id,
+        backend=backend,
+        codecs=STORE_CODECS,
+        online_gc=bool(config.rollout_queue_online_gc),
+        **options,
+    )
+
+
+def private_store(config: RolloutConfig) -> RolloutStore:
+    """A writer of the configuration's pool that is not cached: the caller closes ``.store``.
+
+    For short-lived writes in processes that do not own the cache (the storage probe's
+    answers, written by a task that may share its process with other work).
+    """
+    config = _bound(config)
+    store = _open_store(config, _declaration(config))
+    return RolloutStore(store, SampleCodec(store, config=config), threading.RLock())
 
 
 def settled(call: Callable[[], T]) -> T:

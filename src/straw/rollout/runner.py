@@ -56,6 +56,7 @@ __all__ = [
     "LocalWorker",
     "RolloutOutput",
     "RolloutScheduler",
+    "ScheduledRollout",
     "SlotWorker",
     "SyncRollout",
     "WorkerHandle",
@@ -229,7 +230,35 @@ class SyncRollout:
         return output
 
 
-class AsyncRollout:
+class ScheduledRollout:
+    """What the fully asynchronous runners share: a scheduler in front, recovered groups first.
+
+    Subclasses set ``config``, ``controller`` and ``scheduler`` (and ``_recovered = False``).
+    """
+
+    config: RolloutConfig
+    controller: Any
+    scheduler: RolloutScheduler
+    _recovered: bool
+
+    def generate(self, rollout_id: int, *, prefetch: int = 0) -> RolloutOutput:
+        """Block until the step's groups are kept (recovered groups first, in resume mode)."""
+        if not self._recovered:
+            self._recovered = True
+            self.scheduler.add_recovered(recovered_groups(self.config, self.controller))
+        return self.scheduler.generate(rollout_id, prefetch=prefetch)
+
+    def pause(self, *, drain: bool = True) -> bool:
+        return self.scheduler.pause(drain=drain)
+
+    def pause_admission(self) -> bool:
+        return self.scheduler.pause_admission()
+
+    def resume_admission(self, was_paused: bool = False) -> None:
+        self.scheduler.resume_admission(was_paused)
+
+
+class AsyncRollout(ScheduledRollout):
     """Fully asynchronous generation in this process: ``slots`` groups generating at all times.
 
     One :class:`SlotWorker` on a thread of its own feeds a :class:`RolloutScheduler`;
@@ -275,22 +304,6 @@ class AsyncRollout:
                 reader.close()
             raise
         self._recovered = False
-
-    def generate(self, rollout_id: int, *, prefetch: int = 0) -> RolloutOutput:
-        """Block until the step's groups are kept (recovered groups first, in resume mode)."""
-        if not self._recovered:
-            self._recovered = True
-            self.scheduler.add_recovered(recovered_groups(self.config, self.controller))
-        return self.scheduler.generate(rollout_id, prefetch=prefetch)
-
-    def pause(self, *, drain: bool = True) -> bool:
-        return self.scheduler.pause(drain=drain)
-
-    def pause_admission(self) -> bool:
-        return self.scheduler.pause_admission()
-
-    def resume_admission(self, was_paused: bool = False) -> None:
-        self.scheduler.resume_admission(was_paused)
 
     def close(self) -> None:
         """Close the scheduler (the worker makes its in-flight work durable first)."""

@@ -294,6 +294,11 @@ class RolloutScheduler:
         with self._cond:
             return sum(w.capacity for w in self._live())
 
+    def live_readers(self) -> list[str]:
+        """Reader ids of the workers not lost."""
+        with self._cond:
+            return [w.handle.reader_id for w in self._live()]
+
     def stats(self) -> dict[str, int]:
         """The collection window now: requests in flight, kept groups waiting, demand, prefetch, capacity."""
         with self._cond:

@@ -610,6 +610,15 @@ class FaultFS:
         node = self._lookup(path)
         return len(node.data) if isinstance(node, _File) else 4096
 
+    def islink(self, path: str, /) -> bool:
+        """No symbolic links exist here (the simulation never makes one)."""
+        self._alive()
+        return False
+
+    def realpath(self, path: str, /) -> str:
+        self._alive()
+        return os.path.normpath(path)
+
     # -- test helpers ----------------------------------------------------------------------
 
     def read_bytes(self, path: str) -> bytes:

@@ -9,7 +9,8 @@ requests (the server aborts a request whose client went away). Streaming (the de
 the tokens received before an abort; without streaming an aborted request keeps nothing of
 that attempt, but it can return routed experts (vLLM sends them only in whole answers).
 
-Both implement the :class:`straw.rollout.hooks.Generator` protocol (docs/ENGINES.md):
+Both implement the :class:`straw.rollout.hooks.Generator` protocol (docs/ROLLOUT.md, "Connecting
+your engine"):
 
 - each sample of the group is one HTTP request (trajectories, lists inside a group, are not
   supported); at most ``max_concurrency`` run at once;
@@ -37,7 +38,7 @@ answer missing required fields). Only the first two are retried.
 The HTTP generators need ``aiohttp`` (``pip install 'straw[engines]'``): importing this
 package does not, and naming one of them without aiohttp raises ``ModuleNotFoundError`` with
 that instruction. :class:`EngineGenerator` (``straw.rollout.generators.base``) is the base to
-build another engine's generator on (docs/ENGINES.md).
+build another engine's generator on (docs/ROLLOUT.md, "Connecting your engine").
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""The training consumer's progress record: its schema, checked in one place (pure).
+
+API.md section 7: the ``training`` consumer's ``progress_ref`` names one
+``json.v1`` record ``{version: 1, processed_positions: [...], finished_batches:
+[...]}``; with ``processed_cursor`` it acknowledges accepted results for GC.
+The coordinator checks it when it is saved (so a malformed record is refused
+before it is journaled), garbage collection and ``straw check`` read it back
+through :func:`parse_progress`, and all three agree on what it means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import CorruptData, UnsupportedSchema
+from ..protocol import Record, decode
+
+PROGRESS_CODEC = "json.v1"
+PROGRESS_VERSION = 1
+_POSITION_MAX = 2**63 - 1
+
+
+def parse_progress(records: Sequence[Record]) -> tuple[set[int], set[str]]:
+    """(processed positions, finished batch ids) of a progress record set, or
+    :class:`UnsupportedSchema` saying what is wrong with it."""
+    if len(records) != 1:
+        raise UnsupportedSchema(
+            f"a progress record set holds exactly one record, this one holds {len(records)}"
+        )
+    record = records[0]
+    if record.codec != PROGRESS_CODEC:
+        raise UnsupportedSchema(f"a progress record is {PROGRESS_CODEC}, this one is {record.codec!r}")
+    try:
+        body = decode(record.payload)
+    except CorruptData as error:
+        raise UnsupportedSchema(f"a progress record holds JSON ({error})") from None
+    if not isinstance(body, dict) or body.get("version") != PROGRESS_VERSION:
+        raise UnsupportedSchema(
+            "a progress record is {version: 1, processed_positions: [...], finished_batches: [...]}, "
+            f"got {str(body)[:120]}"
+        )
+    positions = body.get("processed_positions", [])
+    finished = body.get("finished_batches", [])
+    if not isinstance(positions, list) or any(
+        isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= _POSITION_MAX for p in positions
+    ):
+        raise UnsupportedSchema("processed_positions of a progress record must be non-negative integers")
+    if not isinstance(finished, list) or any(not isinstance(b, str) for b in finished):
+        raise UnsupportedSchema("finished_batches of a progress record must be batch id strings")
+    return set(positions), set(finished)
