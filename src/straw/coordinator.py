@@ -52,7 +52,7 @@ from .errors import (
     UnsafeRecovery,
     UnsupportedSchema,
 )
-from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN
+from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN, TASK_METADATA_BYTES_MAX
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -621,7 +621,7 @@ class Coordinator:
             _text(spec.task_id, "task_id")
             if not isinstance(spec.metadata, dict):
                 raise TypeError(f"task {spec.task_id!r}: metadata must be a dict")
-            validate.json_value(spec.metadata, f"task {spec.task_id!r} metadata", self.limits.metadata_bytes)
+            validate.json_value(spec.metadata, f"task {spec.task_id!r} metadata", TASK_METADATA_BYTES_MAX)
         return specs
 
     def producer_state(self, producer_id: str) -> Any:
@@ -753,7 +753,7 @@ class Coordinator:
         items = validate.updates(_as_objects(updates), "yield_tasks", validate.YIELD_KEYS, ("lease",))
         for item in items:
             if item.get("metadata") is not None:
-                validate.json_value(item["metadata"], "yield metadata", self.limits.metadata_bytes)
+                validate.json_value(item["metadata"], "yield metadata", TASK_METADATA_BYTES_MAX)
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
         self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted)
