@@ -231,9 +231,11 @@ def _tail_bytes(pool: Pool, view: QueueView | None) -> int:
     if tail is None or tail.kind == "zeros":
         return 0
     try:
-        return max(0, posix.getsize(os.path.join(pool.root, tail.path)) - tail.offset)
+        data = posix.read_file(os.path.join(pool.root, tail.path))
     except OSError:
         return 0
+    # A closed segment ends in zeros (DURABILITY.md J7); bytes written after them are the tail.
+    return len(data[tail.offset :].lstrip(b"\0"))
 
 
 def _journal_digest(root: str, view: QueueView | None) -> str:

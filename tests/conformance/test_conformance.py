@@ -212,6 +212,14 @@ def test_task_updates_take_objects_or_their_dict_forms(queue: Coordinator, pool:
     assert queue.acquire("w2", max_tasks=1).assignments
 
 
+def test_a_failure_may_be_text_or_a_json_object(queue: Coordinator, pool: Path) -> None:
+    queue.submit_tasks("s", [TaskSpec("a"), TaskSpec("b")])
+    first, second = (a.lease for a in queue.acquire("w", max_tasks=2).assignments)
+    queue.fail_task(first, request_id="f1", failure={"reason": "engine down", "code": 7}, retryable=False)
+    queue.fail_task(second, request_id="f2", failure="plain words", retryable=False)
+    assert {queue.task_status(t)["state"] for t in ("a", "b")} == {"failed"}
+
+
 # ----------------------------------------------------------------- 7. results whose data is gone
 
 
