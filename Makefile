@@ -12,7 +12,7 @@ PEER_PY ?= /work/peer/bin/python
 # Scenarios of ../shared/bench/bench_api.py to compare (a..g); see ../shared/bench/README.md.
 ONLY ?= --only ab
 
-.PHONY: all test demo bench lint typecheck fmt slow compare clean crash sim soak
+.PHONY: all test demo bench lint typecheck fmt slow compare compat clean crash sim soak
 
 all: test
 
@@ -66,6 +66,16 @@ soak: $(STAMP)
 
 compare: $(STAMP)
 	bash ../shared/bench/compare.sh $(BIN)/python $(PEER_PY) $(ONLY)
+
+# The conformance suite (tests/conformance, issue 10) against ours and, when its venv exists,
+# against the peer (PEER_PY=... to point elsewhere); `make test` runs it against ours only.
+compat: $(STAMP)
+	$(BIN)/python -m pytest tests/conformance
+	@if [ -x "$(PEER_PY)" ]; then \
+		cd tests/conformance && $(abspath $(PEER_PY)) -m pytest -c pytest.ini . ; \
+	else \
+		echo "compat: no peer venv at $(PEER_PY); the suite ran against ours only"; \
+	fi
 
 # Keeps .venv (reinstalling torch is slow); `rm -rf .venv` for a full reset.
 clean:

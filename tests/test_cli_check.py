@@ -87,17 +87,47 @@ def test_flipped_record_byte_is_pack_checksum_and_fix_leaves_it(
     assert "offset 64" in report.findings[0].message
 
 
-def test_truncated_pack_reports_its_torn_tail(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut", [1, 3, 30, 60])
+def test_a_sealed_pack_cut_inside_its_seal_is_damage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cut: int
+) -> None:
+    # Issue 10: the seal is the writer's last write; a file ending inside it was shortened
+    # afterwards (a copy, a truncation), even though every extent before it still reads.
     built = build_pool(tmp_path)
     built.store.close()
     pack = packs(tmp_path)[0]
-    size = pack.stat().st_size
     with open(pack, "r+b") as handle:
-        handle.truncate(size - 30)  # the seal frame loses its end: an unfinished append
+        handle.truncate(pack.stat().st_size - cut)
+    report = check_pool(tmp_path)
+    assert codes(report)["pack.short_seal"] == "error"
+    assert not report.ok
+    code, out, _ = run(capsys, str(tmp_path))
+    assert code == 1 and "pack.short_seal" in out and "cut short" in out
+    crash(built.coordinator)
+
+
+def test_an_unsealed_pack_with_a_torn_append_is_only_noted(tmp_path: Path) -> None:
+    built = build_pool(tmp_path)
+    built.store.close()
+    pack = packs(tmp_path)[0]
+    seal_start = _seal_offset(pack)
+    with open(pack, "r+b") as handle:
+        # No seal at all, then half a record frame: what a writer that died mid-append leaves.
+        handle.truncate(seal_start)
+        handle.seek(seal_start)
+        handle.write(b"SFRM\x01" + b"\x07" * 20)
     report = check_pool(tmp_path)
     assert codes(report)["pack.torn_tail"] == "info"
+    assert "pack.short_seal" not in codes(report)
     assert report.ok  # nothing after the last complete extent can be referenced
     crash(built.coordinator)
+
+
+def _seal_offset(pack: Path) -> int:
+    data = pack.read_bytes()
+    at = data.rfind(b"SFRM\x03")
+    assert at > 0
+    return at
 
 
 def test_tombstoned_pack_left_on_disk_is_unlinked_by_fix(

@@ -105,13 +105,15 @@ def verify_stream(root: str, run_id: str, lines: IO[str], out: IO[str]) -> None:
             item = json.loads(line)
             specs = plan(item["index"])
             assert len(item["refs"]) == len(specs), item
+            usage: list[int] = []  # publication k depends on every earlier one: counted per edge
             for spec, data in zip(specs, item["refs"], strict=True):
                 ref = RecordSetRef.from_dict(data)
                 got = [(r.record_id, bytes(r.payload)) for r in session.read(ref)]
                 want = [(record_id, payload(record_id, size)) for record_id, size in spec]
                 if got != want:
                     raise AssertionError(f"write {item['index']}: records differ from what was published")
-                assert ref.records == len(spec) and ref.payload_bytes == sum(s for _, s in spec)
+                usage.append(sum(s for _, s in spec) + sum(usage))
+                assert ref.records == len(spec) and ref.payload_bytes == usage[-1]
             count += 1
             out.write(f"ok {item['index']} {item['refs'][0]['manifest']['segment']['path']}\n")
             out.flush()

@@ -18,7 +18,7 @@ from ._fs import posix
 from .errors import InvalidReference
 from .limits import VISIBILITY_RETRY_DELAYS
 
-__all__ = ["JUICEFS_REQUIRED", "PROFILES", "FilesystemBackend"]
+__all__ = ["JUICEFS_REQUIRED", "PEER_ALIASES", "PEER_PHASES", "PROFILES", "FilesystemBackend"]
 
 PROFILES = ("local", "juicefs")
 
@@ -32,6 +32,26 @@ JUICEFS_REQUIRED: Mapping[str, object] = {
 _JUICEFS_TEXT = ("client_version", "durability_description")
 
 FaultHook = Callable[[str], object]
+
+#: The peer library's names for points where straw has a phase of its own (docs/DURABILITY.md,
+#: "Fault phases"): the hook hears straw's name, then each of these at the same point. Code
+#: written against the peer (slime's tests inject at ``before_directory_sync``) keeps working.
+PEER_ALIASES: Mapping[str, tuple[str, ...]] = {
+    "before_data_write": ("after_segment_header",),
+    "after_data_write": ("after_record", "before_footer"),
+    "after_journal_append": ("after_journal_part",),
+    "before_completion_reply": ("before_complete_reply",),
+    "before_catalog_write": ("before_storage_catalog_write",),
+    "after_catalog_sync": ("after_storage_catalog_sync",),
+    "after_tombstone": ("after_gc_tombstone",),
+    "before_unlink": ("before_gc_unlink",),
+}
+#: Peer phases straw calls at points of their own: before every file and directory sync, and
+#: once per written payload chunk (after the extent's bytes are written, before its sync).
+PEER_PHASES = frozenset(
+    {"before_file_sync", "before_directory_sync", "after_payload_chunk"}
+    | {alias for names in PEER_ALIASES.values() for alias in names}
+)
 
 
 def _check_declaration(profile: str, declaration: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -83,10 +103,27 @@ class FilesystemBackend:
 
     # -- test hook -------------------------------------------------------------
 
-    def fault(self, phase: str) -> None:
-        """Call the injected fault hook at a named phase (docs/DURABILITY.md lists them)."""
-        if self._fault is not None:
-            self._fault(phase)
+    @property
+    def fault(self) -> Callable[[str], None]:
+        """Call with a phase name to reach the injected hook (docs/DURABILITY.md lists the
+        phases); assign a callable (or None) to replace the hook, as the peer's tests do."""
+        return self._call_fault
+
+    @fault.setter
+    def fault(self, hook: FaultHook | None) -> None:
+        self._fault = hook
+
+    @property
+    def fault_hooked(self) -> bool:
+        """Whether a hook is installed (hot paths skip phase bookkeeping without one)."""
+        return self._fault is not None
+
+    def _call_fault(self, phase: str) -> None:
+        hook = self._fault
+        if hook is not None:
+            hook(phase)
+            for alias in PEER_ALIASES.get(phase, ()):
+                hook(alias)
 
     # -- paths -----------------------------------------------------------------
 
@@ -118,11 +155,15 @@ class FilesystemBackend:
     # -- counted syncs (the only way the store reaches fsync) ----------------------
 
     def sync_file(self, fd: int) -> None:
+        if self._fault is not None:
+            self._fault("before_file_sync")
         posix.sync_file(fd)
         self.metrics["syncs"] += 1
         self.metrics["file_syncs"] += 1
 
     def sync_dir(self, path: str | os.PathLike[str]) -> None:
+        if self._fault is not None:
+            self._fault("before_directory_sync")
         posix.sync_dir(os.fspath(path))
         self.metrics["syncs"] += 1
         self.metrics["dir_syncs"] += 1
@@ -137,6 +178,10 @@ class FilesystemBackend:
             "profile": self.profile,
             "declaration": dict(self.declaration),
             "declaration_verified": False,
+            # The peer's names for the same facts: the declaration is recorded, not checked, and
+            # nothing here certifies a multi-machine deployment.
+            "mount_options_automatically_verified": False,
+            "multi_machine_admission": "not_verified",
             "directory_sync": "after every file creation or rename; errors are fatal",
             "file_sync": "fdatasync before a reference is returned",
             "visibility_retry_seconds": sum(self.visibility_delays),

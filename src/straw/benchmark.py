@@ -40,13 +40,15 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
+from straw._benchmark import local
+from straw._benchmark.profile import profile
 from straw.backend import PROFILES, FilesystemBackend
 from straw.errors import CorruptData, InvalidReference, QueueError
 from straw.protocol import Publication, Record, RecordRef, RecordSetRef, encode
 from straw.reporting import write_report
 from straw.store import SharedFilesystemStore
 
-__all__ = ["EXIT_CODES", "add_arguments", "build_parser", "main", "run"]
+__all__ = ["EXIT_CODES", "SUBCOMMANDS", "add_arguments", "build_parser", "main", "profile", "run"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -837,9 +839,36 @@ def _run_in(pool: str, backend: FilesystemBackend, options: argparse.Namespace) 
     return _report(bench, pool, time.perf_counter() - started)
 
 
+#: Subcommands of ``straw-benchmark`` / ``python -m straw.benchmark`` (the peer's entry point);
+#: without one, the arguments are those of ``straw bench``.
+SUBCOMMANDS = ("profile", "run", "worker")
+
+
+def _subcommand(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="straw-benchmark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    extract = sub.add_parser("profile", help="a workload profile from a directory of I/O traces")
+    extract.add_argument("--trace", required=True, help="directory of STRAW_TRACE_DIR files")
+    extract.add_argument("--output", required=True, help="profile JSON to write")
+    local.add_run_arguments(sub.add_parser("run", help="the queue benchmark on this host (--local)"))
+    local.add_worker_arguments(sub.add_parser("worker", help="(started by run) one worker process"))
+    args = parser.parse_args(argv)
+    if args.command == "profile":
+        try:
+            profile(args)
+        except (ValueError, OSError, QueueError) as error:
+            print(f"straw-benchmark profile: error: {error}", file=sys.stderr)
+            return EXIT_ERROR
+        return EXIT_OK
+    return int(local.run(args) if args.command == "run" else local.worker(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m straw.benchmark [options]``."""
-    return run(build_parser("python -m straw.benchmark").parse_args(argv))
+    """``python -m straw.benchmark [options]`` (``straw bench``), or a subcommand of SUBCOMMANDS."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments and arguments[0] in SUBCOMMANDS:
+        return _subcommand(arguments)
+    return run(build_parser("python -m straw.benchmark").parse_args(arguments))
 
 
 if __name__ == "__main__":

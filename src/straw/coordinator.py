@@ -14,11 +14,14 @@ import gc
 import math
 import os
 import random
+import resource
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ._catalog.state import queue_owner
@@ -30,11 +33,13 @@ from ._queue.machine import (
     COMPLETED,
     LEASED,
     PENDING,
+    SAVED,
     Answer,
     Event,
     QueueState,
     journal_body,
     new_state,
+    ref_key,
     state_from_dict,
     state_to_dict,
 )
@@ -43,10 +48,11 @@ from .errors import (
     CorruptData,
     IndeterminateCommit,
     InvalidReference,
+    StorageUnavailable,
     UnsafeRecovery,
     UnsupportedSchema,
 )
-from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN
+from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN, TASK_METADATA_BYTES_MAX
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -91,6 +97,72 @@ def _required_ref(ref: object, what: str) -> None:
         raise TypeError(f"{what} must be a RecordSetRef, got {type(ref).__name__}")
 
 
+def _as_objects(updates: Iterable[object]) -> Iterable[object]:
+    """Updates of ``yield_tasks`` / ``save_task_progress_many`` with ``lease`` and ``input_ref``
+    as objects: callers may pass the objects or their ``dataclasses.asdict`` forms (the peer
+    accepts both). Anything else is left for ``validate.updates`` to name."""
+    if isinstance(updates, (str, bytes, Mapping)):
+        return updates
+    out: list[object] = []
+    for update in updates:
+        if isinstance(update, Mapping):
+            item = dict(update)
+            try:
+                if isinstance(item.get("lease"), Mapping):
+                    item["lease"] = Lease.from_dict(item["lease"])
+                if isinstance(item.get("input_ref"), Mapping):
+                    item["input_ref"] = RecordSetRef.from_dict(item["input_ref"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise TypeError(f"an update's lease or input_ref dict is not one: {error!r}") from None
+            update = item
+        out.append(update)
+    return out
+
+
+@dataclass
+class _Taken(Adoption):
+    """What a call's references are: their adoption, and the packs each one reaches."""
+
+    reach: dict[str, list[str] | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """Accepted results the ``training`` consumer processed: every position below ``cursor``
+    and those in ``positions``; ``finished`` batches (its progress record, API.md section 7)."""
+
+    cursor: int
+    positions: frozenset[int]
+    finished: frozenset[str]
+
+    def covers(self, position: int) -> bool:
+        return position < self.cursor or position in self.positions
+
+
+class JournalView:
+    """Read-only facts about a coordinator's journal: ``path`` (the segment being appended, a
+    ``pathlib.Path``) and ``sequence`` (the last durable transaction's number; it grows by
+    one per journaled call, a repeated request journals nothing)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+
+    @property
+    def path(self) -> Path:
+        return Path(self._journal.segment_path)
+
+    @property
+    def sequence(self) -> int:
+        return self._journal.durable_seq
+
+    @property
+    def directory(self) -> Path:
+        return Path(self._journal.directory)
+
+    def __repr__(self) -> str:
+        return f"JournalView(path={str(self.path)!r}, sequence={self.sequence})"
+
+
 class Coordinator:
     """The single live owner of one durable queue in a pool."""
 
@@ -114,7 +186,7 @@ class Coordinator:
             raise TypeError(f"store must be a SharedFilesystemStore, got {type(store).__name__}")
         self.store = store
         self.queue_id = _text(queue_id, "queue_id")
-        self.exclusive_owner = _text(exclusive_owner, "exclusive_owner")
+        self.exclusive_owner = self._declared_owner(exclusive_owner)
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)):
             raise ValueError(f"lease_seconds must be a positive number, got {lease_seconds!r}")
         if not (math.isfinite(lease_seconds) and lease_seconds > 0):
@@ -135,6 +207,9 @@ class Coordinator:
         self._ids = random.Random(secrets.randbits(256))
         self._broken: BaseException | None = None
         self._closed = False
+        self._last_reply: Any = None
+        self._viewing_durable = False  # the state was reloaded from disk after a journal failure
+        self._paused: StorageUnavailable | None = None  # set when accepted data was found missing
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
         store._ensure_catalog()  # I20: before the queue directory exists
         try:
@@ -156,6 +231,7 @@ class Coordinator:
                 self.backend, self.directory, journal_frame.identity_tag(store.run_id, queue_id)
             )
             self._state = self._open(recover)
+            self.journal = JournalView(self._journal)
         except OSError as error:
             lock.unlock(self._lock_fd)
             raise posix.storage_error(
@@ -167,6 +243,17 @@ class Coordinator:
         self.recovery_seconds = time.perf_counter() - started
 
     # ------------------------------------------------------------------ opening
+
+    @staticmethod
+    def _declared_owner(owner: object) -> str:
+        """``exclusive_owner`` declares who guarantees a single live coordinator (a scheduler, an
+        operator): any non-empty text. It is recorded, not an identity that recovery must match."""
+        if not isinstance(owner, str) or not owner:
+            raise UnsafeRecovery(
+                f"exclusive_owner must name the external guarantee that only one coordinator of this "
+                f"queue runs (non-empty text), got {owner!r}"
+            )
+        return _text(owner, "exclusive_owner")
 
     def _take_lock(self) -> int:
         path = os.path.join(self.directory, LOCK_FILE)
@@ -206,11 +293,7 @@ class Coordinator:
             raise UnsafeRecovery(
                 f"queue {self.queue_id!r} already exists in {self.directory}; reopen it with recover=True"
             )
-        limits = {
-            "max_result_bytes": self.limits.max_result_bytes,
-            "max_result_tokens": self.limits.max_result_tokens,
-            "metadata_bytes": self.limits.metadata_bytes,
-        }
+        limits = self._limits()
         if has_journal:
             state = self._recover(identity_path, has_identity, limits)
         else:
@@ -306,15 +389,32 @@ class Coordinator:
     def _check_identity(self, path: str, found: Mapping[str, Any], *, recorded: bool = False) -> None:
         where = "its journal recorded" if recorded else f"{os.path.basename(path)} says"
         wanted = self._identity()
-        for key in ("run_id", "queue_id", "exclusive_owner", "limits"):
+        for key in ("run_id", "queue_id", "limits"):
             if found.get(key) != wanted[key]:
                 raise UnsafeRecovery(
                     f"queue in {self.directory} was created with {key}={found.get(key)!r} ({where}), "
                     f"this coordinator has {key}={wanted[key]!r}; refusing to recover another identity"
                 )
+        if found.get("exclusive_owner") != wanted["exclusive_owner"]:
+            # A new declaration of who keeps this coordinator single (a restarted job, another
+            # scheduler): recorded by D0, so the identity file always names the latest one.
+            try:
+                durable.replace_file(path, [encode(wanted)], self.backend.sync_file, self.backend.sync_dir)
+            except OSError as error:
+                raise posix.storage_error(error, f"recording the new exclusive_owner in {path}") from error
 
-    def _replay(self, limits: Mapping[str, int]) -> tuple[QueueState, dict[str, Any] | None]:
-        """The state after the journal's last durable frame, and the identity it last recorded."""
+    def _limits(self) -> dict[str, int]:
+        return {
+            "max_result_bytes": self.limits.max_result_bytes,
+            "max_result_tokens": self.limits.max_result_tokens,
+            "metadata_bytes": self.limits.metadata_bytes,
+        }
+
+    def _replay(
+        self, limits: Mapping[str, int], journal: Journal | None = None, upto: int | None = None
+    ) -> tuple[QueueState, dict[str, Any] | None]:
+        """The state after the journal's last durable frame (or frame ``upto``, read-only from
+        ``journal``), and the identity it last recorded."""
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
         identity: list[dict[str, Any] | None] = [None]
 
@@ -335,12 +435,30 @@ class Coordinator:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            recovered = self._journal.replay(apply, load)
+            recovered = (journal or self._journal).replay(apply, load, upto=upto)
         finally:
             if collecting:
                 gc.enable()
-        self.truncated_tail = recovered.truncated
+        if upto is None:
+            self.truncated_tail = recovered.truncated
         return holder[0], identity[0]
+
+    def _durable_view(self) -> None:
+        """After a journal failure (lock held): views answer the durable state, not calls that were
+        applied in memory but never made durable (J3). Read from disk once; nothing is written."""
+        if self._viewing_durable:
+            return
+        reader = Journal(
+            self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
+        )
+        try:
+            self._state, _ = self._replay(self._limits(), reader, self._journal.durable_seq)
+        except Exception as error:
+            raise UnsafeRecovery(
+                f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r} and its durable "
+                f"state cannot be read back ({error!r}); close it and reopen the queue with recover=True"
+            ) from error
+        self._viewing_durable = True
 
     # ------------------------------------------------------------------ the call path
 
@@ -376,18 +494,26 @@ class Coordinator:
                 self._counters["duplicate_requests"] += 1
             else:
                 self._own_before_naming(packs or set())
-                body = journal_body(result)
-                try:
-                    seq = self._journal.append(body)
-                    reply = self._state.apply(result)
-                except BaseException as error:
-                    self._broken = error
-                    raise
+                if isinstance(adopted, _Taken) and adopted.reach:
+                    result["reach"] = adopted.reach  # what each named reference reaches (GC roots)
+                seq = self._journal_locked(result)
+                reply = self._last_reply
         self._wait_durable(seq)
         if adopted and not isinstance(result, Answer):
             with self._lock:
                 self._adopted.update(adopted)
         return reply
+
+    def _journal_locked(self, event: Event) -> int:
+        """Append one transaction and apply it (lock held); its reply is ``_last_reply``."""
+        body = journal_body(event)  # an event that cannot be encoded journals nothing, breaks nothing
+        try:
+            seq = self._journal.append(body)
+            self._last_reply = self._state.apply(event)
+        except BaseException as error:
+            self._broken = error
+            raise
+        return seq
 
     def _wait_durable(self, seq: int) -> None:
         """Wait until frame ``seq`` is durable; a journal failure stops the coordinator (J3)."""
@@ -420,9 +546,14 @@ class Coordinator:
         self._adopted = Adoption()
 
     def _query(self, read: Callable[[], Any]) -> Any:
-        """Answer from the state, once everything it may reflect is durable."""
+        """Answer from the state, once everything it may reflect is durable. A coordinator that
+        stopped after a journal failure still answers, from its durable state (read once)."""
         with self._lock:
-            self._usable()
+            if self._closed:
+                self._usable()
+            if self._broken is not None:
+                self._durable_view()
+                return read()
             value = read()
             seq = self._journal.last_seq
         self._wait_durable(seq)
@@ -490,7 +621,7 @@ class Coordinator:
             _text(spec.task_id, "task_id")
             if not isinstance(spec.metadata, dict):
                 raise TypeError(f"task {spec.task_id!r}: metadata must be a dict")
-            validate.json_value(spec.metadata, f"task {spec.task_id!r} metadata", self.limits.metadata_bytes)
+            validate.json_value(spec.metadata, f"task {spec.task_id!r} metadata", TASK_METADATA_BYTES_MAX)
         return specs
 
     def producer_state(self, producer_id: str) -> Any:
@@ -510,6 +641,11 @@ class Coordinator:
         if task_prefix is not None:
             _text(task_prefix, "task_prefix")
         ids = list(task_ids) if task_ids is not None and not isinstance(task_ids, str) else task_ids
+        if self._paused is not None:
+            raise StorageUnavailable(
+                f"scheduling is paused after a storage failure ({self._paused}); make the pool healthy, "
+                "then reopen the queue with recover=True (calls on leased work still answer)"
+            )
         now = self.clock()
         reply = self._commit(
             lambda: self._state.check_acquire(
@@ -557,9 +693,16 @@ class Coordinator:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
             adopted = Adoption()
-            packs = self.store.validate_reach(
-                result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
-            )
+            try:
+                packs = self.store.validate_reach(
+                    result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
+                )
+            except StorageUnavailable as error:
+                # Item 7: a result whose data is gone is refused, and no new work is handed out
+                # from here on: the pool is not healthy (recovery, a new coordinator, resumes).
+                with self._lock:
+                    self._paused = error
+                raise
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id, packs
@@ -598,45 +741,56 @@ class Coordinator:
 
     def yield_task(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef | None) -> str:
         """Return a task with new input (a continuation) to the tail of its FIFO; no attempt spent."""
-        return self.yield_tasks([{"lease": lease, "input_ref": input_ref}], request_id=request_id)[0]
+        return self.yield_tasks([{"lease": lease, "input_ref": input_ref}], request_id=request_id)
 
-    def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
-        """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata."""
+    def yield_tasks(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> str:
+        """All-or-nothing :meth:`yield_task` of many leases, with optional new priority, key, metadata.
+
+        Each update's ``lease`` and ``input_ref`` may be the objects or their ``asdict`` forms.
+        Answers ``"pending"`` (every task is pending again), as the API contract's peer does.
+        """
         _text(request_id, "request_id")
-        items = validate.updates(updates, "yield_tasks", validate.YIELD_KEYS, ("lease",))
+        items = validate.updates(_as_objects(updates), "yield_tasks", validate.YIELD_KEYS, ("lease",))
         for item in items:
             if item.get("metadata") is not None:
-                validate.json_value(item["metadata"], "yield metadata", self.limits.metadata_bytes)
+                validate.json_value(item["metadata"], "yield metadata", TASK_METADATA_BYTES_MAX)
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted))
+        self._commit(lambda: self._state.check_yield(items, request_id, now), packs, adopted)
+        return PENDING
 
     def save_task_progress(self, lease: Lease, *, request_id: str, input_ref: RecordSetRef) -> str:
-        """Record new input for a task while keeping its lease."""
-        return self.save_task_progress_many(
-            [{"lease": lease, "input_ref": input_ref}], request_id=request_id
-        )[0]
+        """Record new input for a task while keeping its lease; answers ``"saved"``."""
+        return self.save_task_progress_many([{"lease": lease, "input_ref": input_ref}], request_id=request_id)
 
-    def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> list[str]:
+    def save_task_progress_many(self, updates: Iterable[Mapping[str, Any]], *, request_id: str) -> str:
+        """All-or-nothing :meth:`save_task_progress` of many leases (objects or ``asdict`` forms)."""
         _text(request_id, "request_id")
         items = validate.updates(
-            updates, "save_task_progress_many", validate.PROGRESS_KEYS, ("lease", "input_ref")
+            _as_objects(updates), "save_task_progress_many", validate.PROGRESS_KEYS, ("lease", "input_ref")
         )
         packs, adopted = self._verify_inputs(u.get("input_ref") for u in items)
         now = self.clock()
-        return list(self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted))
+        self._commit(lambda: self._state.check_progress(items, request_id, now), packs, adopted)
+        return SAVED
 
     def _verify_inputs(self, refs: Iterable[RecordSetRef | None]) -> tuple[set[str], Adoption]:
         """Verify references through the store; returns the packs they reach (to own them) and
-        the publications the call takes over (docs/GC.md "Queue adoption")."""
-        found = []
+        the publications the call takes over (docs/GC.md "Queue adoption"). What each reference
+        reaches is journaled with the call (``_reach``), so collection need not read it again."""
+        found: dict[str, RecordSetRef] = {}
         for ref in refs:
             if ref is not None:
                 if not isinstance(ref, RecordSetRef):
                     raise TypeError(f"expected a RecordSetRef, got {type(ref).__name__}")
-                found.append(ref)
-        adopted = Adoption()
-        return (self.store.reach(found, adoption=adopted) if found else set()), adopted
+                found.setdefault(ref_key(as_dict(ref)), ref)
+        adopted = _Taken()
+        packs: set[str] = set()
+        for key, ref in found.items():
+            reached = self.store.reach([ref], adoption=adopted)
+            packs |= reached
+            adopted.reach[key] = 0 if reached == {ref.manifest.segment.path} else sorted(reached)
+        return packs, adopted
 
     def cancel_task(self, task_id: str, *, request_id: str) -> str:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
@@ -679,6 +833,13 @@ class Coordinator:
         def read() -> tuple[list[dict[str, Any]], bool]:
             state = self._state
             page = state.commits[cursor : cursor + limit]
+            released = state.first_released(cursor, cursor + len(page))
+            if released is not None:
+                raise InvalidReference(
+                    f"accepted position {released} was acknowledged by the training consumer and "
+                    "released by garbage collection; rewind the consumer (save_consumer_state with an "
+                    "earlier processed_cursor) to read that history again"
+                )
             return page, state.drained_input() and cursor + len(page) >= len(state.commits)
 
         page, done = self._query(read)
@@ -744,9 +905,14 @@ class Coordinator:
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         packs, adopted = self._verify_inputs([state_ref, progress_ref])
         self._check_progress(consumer_id, progress_ref)
+        acked, verified, history = self._rewind(consumer_id, state)
         return dict(
             self._commit(
-                lambda: self._state.check_save_consumer(consumer_id, token, request_id, state), packs, adopted
+                lambda: self._state.check_save_consumer(
+                    consumer_id, token, request_id, state, acked, verified
+                ),
+                packs | history,
+                adopted,
             )
         )
 
@@ -758,6 +924,38 @@ class Coordinator:
             parse_progress(list(self.store.read(progress_ref)))
         except UnsupportedSchema as error:
             raise UnsupportedSchema(f"progress_ref of consumer {TRAINING!r}: {error}") from None
+
+    def _rewind(
+        self, consumer_id: str, state: Mapping[str, Any]
+    ) -> tuple[tuple[int, frozenset[int]] | None, frozenset[int], set[str]]:
+        """A training state that acknowledges less than was released (a checkpoint restored)
+        takes that history back: each result must still be readable (verified here, without
+        the lock), and its packs are owned again before the journal names the state (G6).
+
+        Returns what the state acknowledges, the positions verified and their packs.
+        """
+        if consumer_id != TRAINING or not self._query(self._state.has_released):
+            return None, frozenset(), set()  # nothing was released: nothing to take back
+        progress = self._progress(state)
+        acked = (progress.cursor, progress.positions)
+        back = self._query(lambda: self._state.reowned_by(acked))
+        if not back:
+            return acked, frozenset(), set()
+        receipts = self._query(lambda: [(self._state.commits[p], self._state.commit_packs[p]) for p in back])
+        refs = [RecordSetRef.from_dict(receipt["result_ref"]) for receipt, _ in receipts]
+        packs = self.store.reach(refs)  # missing -> StorageUnavailable, damaged -> CorruptData
+        # Only history something still protects (a retained checkpoint owns its packs) can be
+        # taken back: bytes that merely survived, unowned, may be collected at any moment (as
+        # the peer decides). Checked before the journal or any owner changes.
+        unowned = self.store.unowned(packs)
+        if unowned:
+            raise InvalidReference(
+                f"cannot restore positions {sorted(back)}: their results were released and nothing "
+                f"owns {sorted(unowned)[:3]} (retain a checkpoint that depends on them before acknowledging)"
+            )
+        for _, known in receipts:
+            packs.update(known)
+        return acked, frozenset(back), packs
 
     def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
@@ -813,10 +1011,13 @@ class Coordinator:
         self._check_progress(consumer_id, progress_ref)
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
+        acked, verified, history = self._rewind(consumer_id, state)
         return dict(
             self._commit(
-                lambda: self._state.check_batch_ready(consumer_id, token, batch_id, ready, state),
-                packs,
+                lambda: self._state.check_batch_ready(
+                    consumer_id, token, batch_id, ready, state, acked, verified
+                ),
+                packs | history,
                 adopted,
             )
         )
@@ -834,6 +1035,7 @@ class Coordinator:
         _required_ref(checkpoint_ref, "checkpoint_ref")
         packs, adopted = self._verify_inputs([checkpoint_ref])
         ref = as_dict(checkpoint_ref)
+        batches = self._checkpointed_batches(checkpoint_ref)
 
         def check() -> Event | Answer:
             existing = self._state.checkpoints.get(checkpoint_id)
@@ -843,9 +1045,30 @@ class Coordinator:
                         f"checkpoint {checkpoint_id!r} is registered with another reference"
                     )
                 return Answer(existing)
-            return {"op": "register_checkpoint", "checkpoint_id": checkpoint_id, "checkpoint_ref": ref}
+            event: Event = {
+                "op": "register_checkpoint",
+                "checkpoint_id": checkpoint_id,
+                "checkpoint_ref": ref,
+            }
+            if batches:
+                event["batch_ids"] = batches
+            return event
 
         return dict(self._commit(check, packs, adopted))
+
+    def _checkpointed_batches(self, ref: RecordSetRef) -> list[str]:
+        """Batches a checkpoint says it trained on: a checkpoint that is one ``json.v1`` record
+        ``{..., "batch_ids": [...]}`` (the layout slime writes) lists them; any other record
+        names none. Their ready data no longer counts as waiting for training (``_usage``)."""
+        records = list(self.store.read(ref)) if ref.records == 1 else []
+        if len(records) != 1 or records[0].codec != "json.v1":
+            return []
+        try:
+            body = decode(records[0].payload)
+        except CorruptData:
+            return []
+        ids = body.get("batch_ids") if isinstance(body, dict) else None
+        return [str(b) for b in ids] if isinstance(ids, list) else []
 
     def release_checkpoint(self, checkpoint_id: str) -> bool:
         _text(checkpoint_id, "checkpoint_id")
@@ -859,18 +1082,36 @@ class Coordinator:
 
     # ------------------------------------------------------------------ garbage collection
 
-    def _acknowledgements(self) -> tuple[Callable[[int], bool], set[str]]:
-        """What the ``training`` consumer processed: processed_cursor plus its progress_ref."""
+    def _progress(self, state: Mapping[str, Any] | None) -> Acknowledged:
+        """What a ``training`` consumer state acknowledges: its processed_cursor, plus the
+        positions and batches its ``progress_ref`` lists (read from the store)."""
+        if state is None:
+            return Acknowledged(0, frozenset(), frozenset())
+        cursor = int(state["processed_cursor"])
+        progress = state.get("progress_ref")
+        if progress is None:
+            return Acknowledged(cursor, frozenset(), frozenset())
+        found, done = parse_progress(list(self.store.read(RecordSetRef.from_dict(progress))))
+        positions = frozenset(p for p in found if p >= cursor)
+        finished = frozenset(done)
+        return Acknowledged(cursor, positions, finished)
+
+    def _acknowledgements(self) -> Acknowledged:
+        """What the ``training`` consumer processed (lock held: reads the current state)."""
         consumer = self._state.consumers.get(TRAINING)
-        if consumer is None or consumer.state is None:
-            return (lambda position: False), set()
-        cursor = int(consumer.state["processed_cursor"])
-        positions: set[int] = set()
-        finished: set[str] = set()
-        progress = consumer.state.get("progress_ref")
-        if progress is not None:
-            positions, finished = parse_progress(list(self.store.read(RecordSetRef.from_dict(progress))))
-        return (lambda position: position < cursor or position in positions), finished
+        return self._progress(consumer.state if consumer is not None else None)
+
+    def _usage(self) -> dict[str, Any]:
+        """The peer's accounting view (``metrics()["usage_with_reservations"]``): accepted results
+        the training consumer has not processed, plus what leased tasks estimate; ready batches.
+
+        Diagnostic only: nothing is refused by it (``Limits`` are identity fields, not quotas).
+        """
+        consumer_state = self._query(
+            lambda: self._state.consumers[TRAINING].state if TRAINING in self._state.consumers else None
+        )
+        acked = self._progress(consumer_state)
+        return dict(self._query(lambda: self._state.usage(acked.covers, acked.finished)))
 
     def collect_garbage(self) -> dict[str, Any]:
         """Own exactly this queue's roots in the catalog, then collect the pool (docs/GC.md).
@@ -880,16 +1121,24 @@ class Coordinator:
         """
         with self._lock:
             self._usable()
-            acknowledged, finished = self._acknowledgements()
-            listed, packs = self._state.roots(acknowledged, finished)
-            refs = [RecordSetRef.from_dict(d) for d in listed]
-            packs |= self.store.reach(refs)
+            acked = self._acknowledgements()
+            # The history the queue stops owning is journaled as released first (read_commits
+            # then names it); the frame need not be durable before the catalog drops it, since
+            # losing it only turns that message into a missing-file error.
+            release = self._state.check_release_history((acked.cursor, acked.positions))
+            seq = self._journal_locked(release) if release is not None else None
+            listed, packs = self._state.roots(acked.covers, acked.finished)
+            unknown, known = self._state.known_reach(listed)  # item 12: no reads for these
+            refs = [RecordSetRef.from_dict(d) for d in unknown]
+            packs |= known | self.store.reach(refs)
             # Pending adoptions end with the same frame: from here on only owners keep those.
             self.store._own(self._gc_owner, packs, replace=True, adopted=self._adopted)
             self._owned = set(packs)
             self._adopted = Adoption()
+        if seq is not None:
+            self._wait_durable(seq)
         result = self.store.collect_garbage()
-        result["queue_roots"] = len(refs)
+        result["queue_roots"] = len(listed)
         result["queue_packs"] = len(packs)
         return result
 
@@ -937,7 +1186,11 @@ class Coordinator:
                 "counters": dict(self._counters),
             }
 
-        return dict(self._query(read))
+        out = dict(self._query(read))
+        out["usage_with_reservations"] = self._usage()
+        out["process_cpu_seconds"] = time.process_time()
+        out["process_rss_high_water_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return out
 
     def drain(self) -> dict[str, int]:
         """Stop handing out tasks (``acquire`` answers ``draining``); leased work can still finish."""

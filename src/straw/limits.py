@@ -17,10 +17,16 @@ GiB = 1024 * MiB
 
 # Records ------------------------------------------------------------------
 
-#: Default largest payload of one record. 16 GiB covers the largest single
-#: tensors RL pipelines ship (routing replay of long rollouts) while staying far
-#: below what a 64-bit offset can address.
+#: Largest payload of one record. 16 GiB covers the largest single tensors RL pipelines
+#: ship (routing replay of long rollouts); the bound is real because the record's chunk
+#: table must fit an index frame (checked below). ``SharedFilesystemStore(max_record_bytes=)``
+#: is kept for compatibility and is not a smaller cap (the peer ignores it too).
 RECORD_BYTES_MAX = 16 * GiB
+
+#: Largest canonical-JSON encoding of one task's metadata: it is journaled with the call that
+#: names it (a journal frame body holds at most 4 GiB) and kept in the queue's memory.
+#: (Limits.metadata_bytes is an identity field of a queue, not this bound.)
+TASK_METADATA_BYTES_MAX = 1 * GiB
 
 #: Longest record id in UTF-8 bytes: ids are names, not payloads, and every id
 #: is repeated in the pack index.
@@ -29,14 +35,18 @@ RECORD_ID_BYTES_MAX = 1 * KiB
 #: Longest codec name in UTF-8 bytes.
 CODEC_NAME_BYTES_MAX = 64
 
-#: Largest canonical-JSON encoding of one record's metadata (Limits.metadata_bytes).
-METADATA_BYTES_MAX = 256 * KiB
+#: Largest canonical-JSON encoding of one record's metadata. It travels in the index frame
+#: of its pack (at most INDEX_BYTES_MAX) and in memory with every read of the record; the
+#: peer library takes tens of MiB, so the bound sits well above that. (Limits.metadata_bytes
+#: is an identity field of a queue, not this bound.)
+METADATA_BYTES_MAX = 64 * MiB
 
 #: Most records in one durable write. Bounds the index frame a reader must parse.
 RECORDS_PER_WRITE_MAX = 1_000_000
 
-#: Most dependencies of one publication.
-DEPENDENCIES_MAX = 10_000
+#: Most dependencies of one publication. Its manifest, with every dependency's reference,
+#: travels inline in the index frame (at most INDEX_BYTES_MAX; about 600 bytes each).
+DEPENDENCIES_MAX = 1_000_000
 
 #: Longest submission id in UTF-8 bytes.
 SUBMISSION_ID_BYTES_MAX = 1 * KiB
@@ -169,6 +179,14 @@ JOURNAL_SYNCS_IN_FLIGHT = 2
 #: keeps them, so the delay changes nothing a collector decides; the bound keeps the
 #: pending list, and the catalog frame that records it, small.
 ADOPTIONS_PENDING_MAX = 4096
+
+#: Largest request body the control transport (straw.rpc) reads: control messages only,
+#: but a task's metadata may be large (TASK_METADATA_BYTES_MAX bounds one task; a request of
+#: many tasks is bounded here, so one client cannot make the server buffer without end).
+RPC_REQUEST_BYTES_MAX = 256 * MiB
+
+#: Seconds a control-transport connection may stay silent before the server drops it.
+RPC_SOCKET_SECONDS = 30.0
 
 #: Longest queue, task, worker, producer, consumer, batch, checkpoint, request or submission
 #: id in UTF-8 bytes. Ids are names: each is journaled and repeated in snapshots.

@@ -190,7 +190,7 @@ def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], wh
 
 def _check_int64(value: object, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not _INT64_MIN <= value <= _INT64_MAX:
-        raise ValueError(f"{name} must be an integer in the signed 64-bit range, got {value!r}")
+        raise ValueError(f"{name} must be a signed 64-bit integer, got {value!r}")
 
 
 def _check_count(value: object, name: str) -> None:

@@ -11,9 +11,12 @@ Ordering and failure handling follow docs/DURABILITY.md (D1-D5, I1-I6).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from typing import Any, TypeVar, cast
 
 import xxhash
 
+from . import tracing
 from ._catalog import collect as gc
 from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
@@ -36,6 +40,7 @@ from .errors import (
     InvalidReference,
     QueueError,
     ResourceLimitExceeded,
+    StorageUnavailable,
     UnsafeRecovery,
     UnsupportedSchema,
     WriterBusy,
@@ -68,6 +73,9 @@ from .protocol import (
 )
 
 __all__ = ["POOL_MARKER", "Adoption", "ReadSession", "SharedFilesystemStore"]
+
+_WRITER_DIR = re.compile(r"[0-9a-f]{32}")
+_PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 
 #: File at the pool root naming the format; written once, durably (D0).
 POOL_MARKER = "straw-pool.json"
@@ -120,8 +128,29 @@ class ReadSession:
 
     def __init__(self, backend: FilesystemBackend, run_id: str, *, shared: bool = False) -> None:
         self._reader = PackReader(backend, run_id, shared=shared)
+        self._pid = os.getpid()
+        self._closed = False
+
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a fork of the one that opened the session."""
+        return os.getpid() != self._pid
+
+    def _usable(self) -> None:
+        """A session serves the process that opened it, until closed (checked before any I/O,
+        so a forked child's refused call changes nothing of its parent's session)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this read session was opened in process {self._pid}; it cannot be reused after fork: "
+                "open a new one (store.read_session()) in this process"
+            )
+        if self._closed:
+            raise RuntimeError("this read session is closed; open a new one with store.read_session()")
 
     def close(self) -> None:
+        if os.getpid() != self._pid:
+            self._usable()  # a child closing its parent's descriptors would hurt the parent
+        self._closed = True
         self._reader.close()
 
     @property
@@ -144,9 +173,11 @@ class ReadSession:
 
     def index(self, segment: SegmentRef) -> frame.Index:
         """The verified index frame a segment reference names."""
+        self._usable()
         return self._reader.index(segment)
 
     def locate(self, ref: RecordRef) -> _Located:
+        self._usable()
         if not isinstance(ref, RecordRef):
             raise InvalidReference(f"expected a RecordRef, got {type(ref).__name__}")
         index = self._reader.index(ref.segment)
@@ -159,6 +190,7 @@ class ReadSession:
 
     def resolve(self, ref: RecordSetRef) -> _Resolved:
         """Verify a record set reference down to its records' index entries."""
+        self._usable()
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
         top = self.locate(ref.manifest)
@@ -184,10 +216,13 @@ class ReadSession:
         entries = [r.entry for r in records]
         if logical_digest(entries, [d.digest for d in dependencies]) != manifest.digest:
             raise CorruptData("manifest digest does not match its records (damaged manifest)")
-        payload = sum(e.length for e in entries)
-        tokens = sum(e.tokens for e in entries)
+        # Usage counts what the set reaches: its records plus each dependency, once per edge.
+        payload = sum(e.length for e in entries) + sum(d.payload_bytes for d in dependencies)
+        tokens = sum(e.tokens for e in entries) + sum(d.tokens for d in dependencies)
         if (ref.records, ref.payload_bytes, ref.tokens) != (len(entries), payload, tokens):
-            raise InvalidReference("the reference's record, byte or token counts do not match its manifest")
+            raise InvalidReference(
+                "the reference's usage counts do not match its manifest (records, payload bytes, tokens)"
+            )
         return _Resolved(manifest, tuple(records), dependencies)
 
     @staticmethod
@@ -224,7 +259,11 @@ class ReadSession:
 
     def _record(self, located: _Located) -> Record:
         e = located.entry
+        began = time.perf_counter()
         payload = self._reader.payload(located.segment, e, located.chunk)
+        if tracing.enabled():
+            tracing.emit("read", root=self._reader.backend.root, size=len(payload),
+                         seconds=time.perf_counter() - began)  # fmt: skip
         return Record(e.record_id, payload, e.codec, dict(e.metadata), e.tokens)
 
     def manifest(self, ref: RecordSetRef) -> dict[str, Any]:
@@ -254,9 +293,9 @@ class ReadSession:
                     attempt_id is not None and meta.get("attempt_id") != attempt_id
                 ):
                     raise InvalidReference(
-                        f"record {located.entry.record_id!r} does not belong to task {task_id!r} attempt "
-                        f"{attempt_id!r} (its metadata names task {meta.get('task_id')!r} attempt "
-                        f"{meta.get('attempt_id')!r})"
+                        f"record {located.entry.record_id!r} does not belong to this task/attempt "
+                        f"(task {task_id!r} attempt {attempt_id!r}; its metadata names task "
+                        f"{meta.get('task_id')!r} attempt {meta.get('attempt_id')!r})"
                     )
 
     def envelope(self, ref: RecordRef) -> dict[str, Any]:
@@ -274,10 +313,85 @@ class ReadSession:
             "chunk_bytes": located.chunk,
         }
 
-    def read_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
-        """Payload bytes ``start:stop``, reading and verifying only the chunks they touch."""
+    def read_range(
+        self,
+        ref: RecordRef,
+        start: int,
+        stop: int,
+        *,
+        chunk_bytes: int | None = None,
+        checksums: Sequence[str] | None = None,
+    ) -> memoryview:
+        """Payload bytes ``start:stop``, reading and verifying only the chunks they touch.
+
+        With ``checksums`` (SHA-256 hex digests of consecutive ``chunk_bytes`` pieces of the
+        whole payload, as a caller recorded them), the pieces covering the range are also
+        checked against those: a mismatch is ``CorruptData``.
+        """
+        began = time.perf_counter()
         located = self.locate(ref)
-        return self._reader.payload_range(located.segment, located.entry, located.chunk, start, stop)
+        entry, chunk = located.entry, located.chunk
+        if checksums is None:
+            data = self._reader.payload_range(located.segment, entry, chunk, start, stop)
+            checked = _covered(start, stop, chunk, entry.length)
+        else:
+            data, checked = self._range_against(located, start, stop, chunk_bytes, list(checksums))
+        tracing.emit("read_range", root=self._reader.backend.root, size=len(data),
+                     seconds=time.perf_counter() - began, checked_bytes=checked)  # fmt: skip
+        return data
+
+    def _range_against(
+        self, located: _Located, start: int, stop: int, piece: int | None, sums: list[str]
+    ) -> tuple[memoryview, int]:
+        """``read_range`` checked against a caller's SHA-256 table of ``piece``-byte pieces."""
+        length = located.entry.length
+        if isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0:
+            raise ValueError(f"chunk_bytes must be a positive integer with checksums, got {piece!r}")
+        if len(sums) != -(-length // piece):
+            raise ValueError(f"{len(sums)} checksums do not cover a payload of {length} bytes in {piece}")
+        if not 0 <= start <= stop <= length:
+            raise ValueError(f"range {start}:{stop} outside a payload of {length} bytes")
+        if start == stop:
+            return memoryview(b""), 0
+        first, last = start // piece, (stop - 1) // piece
+        low, high = first * piece, min(length, (last + 1) * piece)
+        data = self._reader.payload_range(located.segment, located.entry, located.chunk, low, high)
+        for number in range(first, last + 1):
+            part = data[(number - first) * piece : (number + 1 - first) * piece]
+            if hashlib.sha256(part).hexdigest() != sums[number]:
+                raise CorruptData(
+                    f"record {located.entry.record_id!r}: bytes of piece {number} ({piece} bytes each) "
+                    "do not match the caller's checksum"
+                )
+        return data[start - low : stop - low], high - low
+
+    def inspect_segment(self, segment: SegmentRef, *, verify_payload: bool = False) -> dict[str, Any]:
+        """What one extent holds, from its verified index frame; ``verify_payload`` also reads
+        and checks every payload chunk. Each record's ``offset`` is where its frame starts,
+        relative to ``segment.offset`` (negative: records precede their index; ``None`` for a
+        manifest kept inside the index)."""
+        index = self.index(segment)
+        records = []
+        for ordinal, e in enumerate(index.entries):
+            if verify_payload and e.inline is None:
+                for low in range(0, e.length, _VERIFY_BYTES):
+                    self._reader.payload_range(
+                        segment, e, index.chunk_bytes, low, min(e.length, low + _VERIFY_BYTES)
+                    )
+            length = len(encode(e.inline)) if e.inline is not None else e.length
+            offset = None if e.inline is not None else e.offset - frame.FRAME_HEADER_BYTES - segment.offset
+            envelope = {"record_id": e.record_id, "codec": e.codec, "metadata": dict(e.metadata),
+                        "tokens": e.tokens, "length": length, "checksum": e.content,
+                        "version": frame.FORMAT_VERSION}  # fmt: skip
+            records.append({"ordinal": ordinal, "offset": offset, "envelope": envelope})
+        return {
+            "run_id": segment.run_id,
+            "segment_id": segment.segment_id,
+            "version": frame.FORMAT_VERSION,
+            "submission_id": index.submission_id,
+            "chunk_bytes": index.chunk_bytes,
+            "records": records,
+        }
 
     def read_into(self, ref: RecordRef, target: memoryview) -> None:
         """Fill ``target`` (a flat byte view of exactly the payload's size) with the verified payload.
@@ -302,12 +416,33 @@ class ReadSession:
             raise ValueError(f"range {start}:{stop} outside a payload of {entry.length} bytes")
         if start == stop:
             return memoryview(bytearray())
+        began = time.perf_counter()
         first = start // chunk
         low = first * chunk
         high = min(entry.length, ((stop - 1) // chunk + 1) * chunk)
         buffer = memoryview(bytearray(high - low))
         self._reader.payload_into(located.segment, entry, chunk, buffer, first)
+        if tracing.enabled():
+            tracing.emit("read_range", root=self._reader.backend.root, size=stop - start,
+                         seconds=time.perf_counter() - began, checked_bytes=high - low)  # fmt: skip
         return buffer[start - low : stop - low]
+
+
+#: Bytes of one payload ``inspect_segment(verify_payload=True)`` reads at a time.
+_VERIFY_BYTES = 64 * 1024 * 1024
+
+
+def _usage(dependency: Mapping[str, Any], field: str) -> int:
+    """A manifest dependency's usage count (a local one carries it, an external one in its ref)."""
+    value = dependency[field] if "self" in dependency else dependency["ref"][field]
+    return int(value)
+
+
+def _covered(start: int, stop: int, chunk: int, length: int) -> int:
+    """Bytes of the whole chunks a read of ``start:stop`` verifies."""
+    if start >= stop:
+        return 0
+    return min(length, ((stop - 1) // chunk + 1) * chunk) - (start // chunk) * chunk
 
 
 # --------------------------------------------------------------------------- writing helpers
@@ -447,6 +582,8 @@ class SharedFilesystemStore:
             # docs/GC.md: with online GC the writer records every sealed pack and its extents,
             # so released data becomes collectable while the writer still lives.
             self._writer.on_seal = self._record_seal
+            # Tools learn from it that this pool is collected online (straw.inspect refuses then).
+            self._writer.live_note = encode({"online_gc": True})
         self._lock = threading.Lock()
         self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
         self._pending: _Pending | None = None
@@ -577,8 +714,8 @@ class SharedFilesystemStore:
         set_digest = logical_digest(entries, [d["digest"] for d in deps])
         manifest = frame.Manifest(set_digest, tuple(pairs), tuple(segments), tuple(deps))
         manifest_entry = self._manifest_entry(manifest, "manifest")
-        payload = sum(e.length for e in entries)
-        tokens = sum(e.tokens for e in entries)
+        payload = sum(e.length for e in entries) + sum(d["ref"]["payload_bytes"] for d in deps)
+        tokens = sum(e.tokens for e in entries) + sum(d["ref"]["tokens"] for d in deps)
 
         def result(segment: SegmentRef) -> RecordSetRef:
             return RecordSetRef(RecordRef(segment, 0), set_digest, len(entries), payload, tokens)
@@ -617,10 +754,10 @@ class SharedFilesystemStore:
                 f"record {record_id!r}: tokens must be a non-negative 64-bit integer, got {tokens!r}"
             )
         view = _flat_view(record.payload, record_id)
-        if view.nbytes > self.max_record_bytes:
+        if view.nbytes > RECORD_BYTES_MAX:  # max_record_bytes is kept for compatibility only
             raise ResourceLimitExceeded(
-                f"record {record_id!r}: payload of {view.nbytes} bytes exceeds "
-                f"max_record_bytes={self.max_record_bytes}"
+                f"record {record_id!r}: payload of {view.nbytes} bytes exceeds the record limit of "
+                f"{RECORD_BYTES_MAX} bytes (RECORD_BYTES_MAX)"
             )
         content = xxhash.xxh3_128_hexdigest(view)
         return Entry(record_id, record.codec, metadata, tokens, view, content, frame.chunk_checksums(view))
@@ -657,8 +794,10 @@ class SharedFilesystemStore:
             entries.extend(records)
             manifest = frame.Manifest(set_digest, pairs, (), tuple(deps))
             entries.append(self._manifest_entry(manifest, f"manifest-{number}"))
-            payload = sum(e.payload.nbytes for e in records)
-            sets.append((len(entries) - 1, set_digest, len(records), payload, sum(e.tokens for e in records)))
+            # Usage counts what the set reaches: its records plus each dependency, once per edge.
+            payload = sum(e.payload.nbytes for e in records) + sum(_usage(d, "payload_bytes") for d in deps)
+            tokens = sum(e.tokens for e in records) + sum(_usage(d, "tokens") for d in deps)
+            sets.append((len(entries) - 1, set_digest, len(records), payload, tokens))
             self._check_count(len(entries))
         fingerprint = kind + ":" + ",".join(s[1] for s in sets)
         staged = {
@@ -689,8 +828,9 @@ class SharedFilesystemStore:
                 out.append(next(resolved))
                 continue
             if not 0 <= dep < number:
-                raise ValueError(
-                    f"publication {number}: int dependency {dep} must name an earlier publication"
+                raise InvalidReference(
+                    f"publication {number}: int dependency {dep} must name an earlier publication "
+                    "of the same call"
                 )
             ordinal, set_digest, records, payload, tokens = earlier[dep]
             out.append(
@@ -728,6 +868,7 @@ class SharedFilesystemStore:
             if pending is not None:
                 return cast(R, self._resolve_pending(pending, submission_id, remembered))
             self._ensure_catalog()
+            began, written_before = time.perf_counter(), self._writer.bytes_written
             try:
                 segment = self._writer.write(entries, submission_id, manifests)
             except CommitUncertain as uncertain:
@@ -744,16 +885,46 @@ class SharedFilesystemStore:
                 raise posix.storage_error(error, f"publishing submission {submission_id!r}") from error
             value = result(segment)
             self._account(entries, kind)
+            if tracing.enabled():
+                self._trace_write(entries, self._writer.bytes_written - written_before, began)
+            remembered = _Remembered(kind, fingerprint, value)
             try:
                 self.backend.fault("after_publish")
-            except BaseException as error:
-                self._pending = _Pending(submission_id, _Remembered(kind, fingerprint, value), None)
-                raise IndeterminateCommit(
-                    f"submission {submission_id!r} is durable but its reply was interrupted ({error!r}); "
-                    "retry the same submission to get its reference"
-                ) from error
-            self._remember(submission_id, _Remembered(kind, fingerprint, value))
+            except OSError as error:
+                # The extent is durable; an I/O error now only clouds the reply. Check it once
+                # more from the file itself: readable means published (as the peer does).
+                self._recheck(segment, submission_id, remembered, error)
+            except BaseException:
+                # Durable all the same: remember it, so the retry answers with this reference.
+                self._remember(submission_id, remembered)
+                raise
+            self._remember(submission_id, remembered)
             return value
+
+    def _trace_write(self, entries: Sequence[Entry], extent_bytes: int, began: float) -> None:
+        """One ``write`` trace event: the extent's bytes and each record's size, codec and tokens
+        (manifests under their ``straw.`` codec, which profiles leave out of payload bytes)."""
+        sizes = [(len(encode(e.inline)) if e.inline is not None else e.payload.nbytes, e.codec, e.tokens)
+                 for e in entries]  # fmt: skip
+        tracing.emit("write", root=self.backend.root, size=extent_bytes,
+                     seconds=time.perf_counter() - began, records=sizes)  # fmt: skip
+
+    def _recheck(
+        self, segment: SegmentRef, submission_id: str, remembered: _Remembered, error: OSError
+    ) -> None:
+        """After an I/O error at the reply: read the extent's index frame back (a fresh reader,
+        no cache); if that fails too the outcome is uncertain (I5)."""
+        reader = PackReader(self.backend, self.run_id)
+        try:
+            reader.index(segment)
+        except (QueueError, OSError):
+            self._pending = _Pending(submission_id, remembered, None)
+            raise IndeterminateCommit(
+                f"submission {submission_id!r} is durable but could not be read back after {error!r}; "
+                "retry the same submission to get its reference"
+            ) from error
+        finally:
+            reader.close()
 
     def _resolve_pending(self, pending: _Pending, submission_id: str, attempt: _Remembered) -> Any:
         if pending.submission_id != submission_id:
@@ -809,7 +980,7 @@ class SharedFilesystemStore:
                 raise posix.storage_error(error, "closing the writer") from error
             finally:
                 for session in self._sessions:
-                    session.close()
+                    session._reader.close()  # descriptors only: reads through the store still work
                 self._catalog.close()
 
     # -- lifetime (API.md sections 5 and 8; docs/GC.md) ----------------------------------------
@@ -851,6 +1022,10 @@ class SharedFilesystemStore:
             self._note_adoption(session, ref, resolved, adoption)
         packs = {ref.manifest.segment.path}
         packs.update(r.segment.path for r in resolved.records)
+        for path in packs:
+            # A shared index answers without opening the file: the data must still be there.
+            if not posix.exists(self.backend.resolve(path)):
+                raise StorageUnavailable(f"{path} holding this result no longer exists; its data is gone")
         if resolved.dependencies:
             packs |= self.reach(resolved.dependencies, adoption=adoption)
         return packs
@@ -925,7 +1100,7 @@ class SharedFilesystemStore:
             gone = sorted(packs & catalog.state.tombstones)
             if gone:
                 raise InvalidReference(
-                    f"cannot retain {gone[0]}: it was garbage-collected; republish the data"
+                    f"cannot retain {gone[0]}: it was garbage-collected (reclaimed); republish the data"
                 )
             events = [{"op": "retain" if replace else "add", "owner": owner, "packs": sorted(packs)}]
             if adopted:
@@ -979,7 +1154,9 @@ class SharedFilesystemStore:
         with self._catalog.locked() as catalog:
             gone = sorted(direct & catalog.state.tombstones)
         if gone:
-            raise InvalidReference(f"cannot retain {gone[0]}: it was garbage-collected; republish the data")
+            raise InvalidReference(
+                f"cannot retain {gone[0]}: it was garbage-collected (reclaimed); republish the data"
+            )
         return self.reach(items)
 
     def retain(self, owner: str, refs: Iterable[RecordSetRef | RecordRef]) -> None:
@@ -1014,7 +1191,9 @@ class SharedFilesystemStore:
             for owner, packs in owned.items():
                 gone = sorted(packs & catalog.state.tombstones)
                 if gone:
-                    raise InvalidReference(f"a dependency in {gone[0]} was garbage-collected; republish it")
+                    raise InvalidReference(
+                        f"a dependency in {gone[0]} was garbage-collected (reclaimed); republish it"
+                    )
                 events.append({"op": "retain", "owner": owner, "packs": sorted(packs)})
             catalog.append(events + self._take_deferred(catalog))
 
@@ -1087,6 +1266,14 @@ class SharedFilesystemStore:
         answer["exists"] = posix.exists(path)
         return answer
 
+    def unowned(self, packs: Iterable[str]) -> set[str]:
+        """Those of ``packs`` that no owner in the catalog holds right now."""
+        wanted = set(packs)
+        with self._catalog.locked() as catalog:
+            for held in catalog.state.owners.values():
+                wanted -= held
+        return wanted
+
     def owners(self, prefix: str = "") -> list[str]:
         """Names of the owners the pool's catalog records now whose name starts with ``prefix``.
 
@@ -1116,7 +1303,7 @@ class SharedFilesystemStore:
         """This thread's session; ``shared`` also trusts index frames this process wrote (reader.py)."""
         name = "validator" if shared else "session"
         session: ReadSession | None = getattr(self._local, name, None)
-        if session is None:
+        if session is None or session.forked:  # a forked child reads through sessions of its own
             session = ReadSession(self.backend, self.run_id, shared=shared)
             setattr(self._local, name, session)
             self._sessions.append(session)
@@ -1148,8 +1335,44 @@ class SharedFilesystemStore:
     def envelope(self, ref: RecordRef) -> dict[str, Any]:
         return self._session().envelope(ref)
 
-    def read_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
-        return self._session().read_range(ref, start, stop)
+    def read_range(
+        self,
+        ref: RecordRef,
+        start: int,
+        stop: int,
+        *,
+        chunk_bytes: int | None = None,
+        checksums: Sequence[str] | None = None,
+    ) -> memoryview:
+        return self._session().read_range(ref, start, stop, chunk_bytes=chunk_bytes, checksums=checksums)
+
+    def inspect_segment(self, segment: SegmentRef, *, verify_payload: bool = False) -> dict[str, Any]:
+        return self._session().inspect_segment(segment, verify_payload=verify_payload)
+
+    def discover(self, partition: str) -> Iterator[SegmentRef]:
+        """Every extent of the sealed packs of one writer directory ``raw/<partition>/`` (a
+        writer id), index frames verified; packs still open for appends are skipped. Finding
+        an extent says nothing of whether anything references or owns it."""
+        if not isinstance(partition, str) or not _WRITER_DIR.fullmatch(partition):
+            raise InvalidReference(f"partition {partition!r} is not a writer directory of raw/")
+        directory = self.backend.resolve(f"raw/{partition}")
+        try:
+            names = sorted(posix.listdir(directory))
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            raise posix.storage_error(error, f"listing {directory}") from error
+        reader = PackReader(self.backend, self.run_id)
+        try:
+            for name in names:
+                if _PACK_NAME.fullmatch(name):
+                    try:
+                        found = reader.sealed_extents(f"raw/{partition}/{name}")
+                    except OSError as error:
+                        raise posix.storage_error(error, f"reading raw/{partition}/{name}") from error
+                    yield from found or ()
+        finally:
+            reader.close()
 
 
 invariant(frame.MANIFEST_CODEC.startswith("straw."), "internal codecs live in the reserved namespace")

@@ -31,11 +31,12 @@ import numpy as np
 from ._fs import posix
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
-from .limits import KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
+from .limits import CHUNK_BYTES, KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
 from .protocol import Record, RecordRef, RecordSetRef
 from .store import POOL_MARKER, ReadSession, SharedFilesystemStore
 
 __all__ = [
+    "CHUNK_BYTES",
     "DTYPES",
     "POOL_ROOTS_ENV",
     "TENSOR_CODEC",
@@ -44,7 +45,10 @@ __all__ = [
     "detach",
     "publish_tensors",
     "release_tensor_publications",
+    "tensor_record",
 ]
+# CHUNK_BYTES (from straw.limits) is re-exported: the payload bytes one stored checksum covers,
+# so a row slice reads and verifies whole chunks of it (informative; the store decides).
 
 #: Codec name of tensor records (docs/FORMAT.md section 10).
 TENSOR_CODEC = "tensor.v1"
@@ -87,7 +91,7 @@ class _Pool:
         if sessions is None:
             sessions = self._local.sessions = {}
         session = sessions.get(run_id)
-        if session is None:
+        if session is None or session.forked:  # a forked child reads through sessions of its own
             session = sessions[run_id] = ReadSession(self.backend, run_id)
             # A thread that ends drops its sessions; close their descriptors then. The finalizer
             # must not hold the session itself (that would keep it alive), so it holds its reader.
@@ -292,9 +296,17 @@ def tensor_bytes(value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
 
 
 def tensor_record(
+    value: Any, record_id: str, *, kind: str | None = None, metadata: Mapping[str, Any] | None = None
+) -> Record:
+    """The ``tensor.v1`` record of one array or tensor, to publish with other records (its
+    payload is a view of the tensor's memory; ``kind`` defaults to ``record_id``)."""
+    return _tensor_record(value, record_id, record_id if kind is None else kind, metadata)[0]
+
+
+def _tensor_record(
     value: Any, record_id: str, kind: str, metadata: Mapping[str, Any] | None = None
 ) -> tuple[Record, str, tuple[int, ...]]:
-    """The tensor.v1 record of one array or tensor (its payload is a view of the tensor's memory)."""
+    """:func:`tensor_record` with the stored dtype name and shape."""
     _check_kind(kind)
     view, dtype, shape = tensor_bytes(value)
     meta: dict[str, Any] = dict(metadata or {})
@@ -388,6 +400,24 @@ class TensorRef:
         """How error messages name this reference."""
         return f"tensor {self.kind!r} (record {self.record_ref.ordinal} of {self.record_ref.segment.path})"
 
+    # -- the peer's names -----------------------------------------------------------------
+
+    @property
+    def blob_set(self) -> RecordSetRef | None:
+        """The publication this tensor came from (``record_set``), when known."""
+        return self.record_set
+
+    @property
+    def blob_ordinal(self) -> int:
+        """This tensor's ordinal in :attr:`blob_set` (``ordinal``)."""
+        return self.ordinal
+
+    @property
+    def path(self) -> str:
+        """The absolute path of the pack holding the tensor, in the pool this process reads it
+        from (for tools; reads go through the store and verify every byte)."""
+        return _pool_of(self.record_ref, self.root).backend.resolve(self.record_ref.segment.path)
+
     # -- checks ------------------------------------------------------------------------
 
     def _check(self, session: ReadSession) -> None:
@@ -396,14 +426,16 @@ class TensorRef:
             raise UnsupportedSchema(f"{self.what}: dtype {self.dtype!r} is not supported")
         if math.prod(self.shape) * _STORAGE[self.dtype].itemsize != self.nbytes:
             raise CorruptData(
-                f"{self.what}: shape {list(self.shape)} of {self.dtype} does not make {self.nbytes} bytes"
+                f"Typed tensor reference {self.what}: shape {list(self.shape)} of {self.dtype} does not "
+                f"make {self.nbytes} bytes (a damaged or edited reference)"
             )
         entry = session.locate(self.record_ref).entry
         stored = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
         if stored[:2] != (self.dtype, self.shape) or entry.length != self.nbytes:
             raise CorruptData(
-                f"{self.what}: the reference says {self.dtype}{list(self.shape)} ({self.nbytes} bytes), "
-                f"the stored record holds {stored[0]}{list(stored[1])} ({entry.length} bytes)"
+                f"Typed tensor reference {self.what} says {self.dtype}{list(self.shape)} "
+                f"({self.nbytes} bytes), the stored record holds {stored[0]}{list(stored[1])} "
+                f"({entry.length} bytes)"
             )
 
     # -- reads -------------------------------------------------------------------------
@@ -600,7 +632,7 @@ def publish_tensors(
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
-        record, dtype, shape = tensor_record(value, name, name, metadata)
+        record, dtype, shape = _tensor_record(value, name, name, metadata)
         records.append(record)
         described.append((dtype, shape, math.prod(shape) * _STORAGE[dtype].itemsize, name))
     ref = store.publish(records, submission_id=submission_id)

@@ -331,7 +331,7 @@ class CoordinatorModel(RuleBasedStateMachine):
             with pytest.raises(StaleAttempt):
                 self.coord.yield_tasks([update], request_id=self._fresh("yield"))
             return
-        assert self.coord.yield_tasks([update], request_id=self._fresh("yield")) == ["pending"]
+        assert self.coord.yield_tasks([update], request_id=self._fresh("yield")) == "pending"
         if priority is not None:
             task.priority = priority
         self._enqueue(task)

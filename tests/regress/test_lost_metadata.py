@@ -32,7 +32,7 @@ from straw._inspect.check import check_pool
 from straw.cli import main
 from straw.coordinator import Coordinator
 from straw.errors import CorruptData, UnsafeRecovery
-from straw.protocol import Record, RecordSetRef, TaskSpec
+from straw.protocol import Limits, Record, RecordSetRef, TaskSpec
 from straw.store import SharedFilesystemStore
 
 RUN = "run-lost"
@@ -263,8 +263,10 @@ def test_a_lost_queue_json_is_checked_against_the_journal_and_written_again(tmp_
     saved = identity.read_bytes()
     identity.unlink()
     assert "queue.identity" in {f.code for f in check_pool(root).findings}
-    with pytest.raises(UnsafeRecovery, match="exclusive_owner"):
-        Coordinator(store, exclusive_owner="somebody-else", recover=True)
+    # The journal's record of the identity stands in for the lost file: a changed limit is
+    # refused (exclusive_owner is a declaration, any text is taken: compatibility item 2).
+    with pytest.raises(UnsafeRecovery, match="limits"):
+        Coordinator(store, exclusive_owner=OWNER, recover=True, limits=Limits(metadata_bytes=1024))
     assert not identity.exists()
     with Coordinator(store, exclusive_owner=OWNER, recover=True) as coord:
         assert [coord.lookup_submission(r.submission_id) for r in receipts] == receipts

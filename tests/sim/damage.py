@@ -108,8 +108,8 @@ def expectation(damage: Damage, pristine: bytes, needed: set[str]) -> str:
     ``needed``: packs that acknowledged data the model requires lives in. Deleting another
     pack is deleting garbage (every writer died with the machine, so nothing stages it).
     """
-    if damage.kind == "live" and damage.op == "delete":
-        return "harmless"
+    if damage.kind == "live" and damage.op in ("delete", "truncate", "flip"):
+        return "harmless"  # a writer without LIVE counts as alive; its note decides nothing
     if damage.kind == "pack-header" and damage.op == "delete" and damage.path not in needed:
         return "harmless"
     if damage.kind == "journal-older" and damage.op == "truncate" and damage.at >= _frames_end(pristine)[1]:

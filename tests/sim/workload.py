@@ -261,7 +261,7 @@ class Simulation:
             self._note(f"  -> returned although {self.fs.injected[-1]}")
         coord = self._coord()
         try:
-            coord.task_status("sim-probe")
+            coord.heartbeat([])  # a call (views of a stopped coordinator still answer)
         except UnsafeRecovery:
             self._note("  coordinator stopped (J3): close, reopen with recover=True")
             coord.close()

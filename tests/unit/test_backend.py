@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from straw import Record, SharedFilesystemStore
-from straw.backend import JUICEFS_REQUIRED, FilesystemBackend
+from straw.backend import JUICEFS_REQUIRED, PEER_PHASES, FilesystemBackend
 from straw.errors import InvalidReference
 
 VALID_JUICEFS: dict[str, Any] = {
@@ -243,9 +243,17 @@ APPEND = ["before_publish", "before_data_write", "after_data_write", "after_data
 SEAL = ["before_seal_write", "after_seal_sync"]
 
 
+class OwnPhases(list[str]):
+    """A hook recording straw's own phase names (the peer's aliases are tested below)."""
+
+    def __call__(self, phase: str) -> None:
+        if phase not in PEER_PHASES:
+            self.append(phase)
+
+
 def test_fault_hook_receives_the_documented_phases_of_every_store_operation(tmp_path: Path) -> None:
-    phases: list[str] = []
-    backend = FilesystemBackend(tmp_path, fault=phases.append)
+    phases = OwnPhases()
+    backend = FilesystemBackend(tmp_path, fault=phases)
     store = SharedFilesystemStore(tmp_path, "run", backend=backend, segment_target_bytes=4096)
     assert phases == []  # opening the pool is not a durable write of records
 
@@ -269,12 +277,32 @@ def test_fault_hook_receives_the_documented_phases_of_every_store_operation(tmp_
 
 
 def test_fault_hook_phases_of_a_standalone_file(tmp_path: Path) -> None:
-    phases: list[str] = []
-    backend = FilesystemBackend(tmp_path, fault=phases.append)
+    phases = OwnPhases()
+    backend = FilesystemBackend(tmp_path, fault=phases)
     with SharedFilesystemStore(tmp_path, "run", backend=backend, segment_target_bytes=0) as store:
         store.publish([Record("a", b"x")], submission_id="s1")
         store.publish([Record("b", b"x")], submission_id="s2")
     assert phases == NEW_PACK + NEW_PACK  # nothing to seal on close: each file carries its seal
+
+
+def test_the_peer_phase_names_are_heard_at_the_equivalent_points(tmp_path: Path) -> None:
+    phases: list[str] = []
+    backend = FilesystemBackend(tmp_path)
+    store = SharedFilesystemStore(tmp_path, "run", backend=backend, segment_target_bytes=1 << 20)
+    backend.fault = phases.append  # assigned as the peer's tests do
+    store.publish([Record("a", b"x" * (256 * 1024 + 1))], submission_id="s1")  # two payload chunks
+    written = ["before_data_write", "after_segment_header"]
+    written += ["after_data_write", "after_record", "before_footer"]
+    chunks = ["after_payload_chunk"] * 2
+    dirs = ["before_directory_sync"] * 2  # the writer's first file: raw/ and its LIVE lock (D2.1)
+    syncs = ["before_file_sync", "after_data_sync", "before_dir_sync", "before_directory_sync"]
+    assert phases == ["before_publish", *dirs, *written, *chunks, *syncs, "after_dir_sync", "after_publish"]
+    phases.clear()
+    store.publish([Record("b", b"")], submission_id="s2")  # an append of an empty payload: no chunk
+    assert phases == ["before_publish", *written, "before_file_sync", "after_data_sync", "after_publish"]
+    backend.fault = None
+    store.publish([Record("c", b"c")], submission_id="s3")
+    assert len(phases) == 9  # no hook: nothing more heard
 
 
 # --------------------------------------------------------------------------- metrics

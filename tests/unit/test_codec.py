@@ -306,7 +306,10 @@ def test_a_list_of_group_refs_nests_without_loading_the_groups(store: SharedFile
     ]
     batch = codec.publish(store, {"groups": groups, "first": groups[0]}, submission_id="batch")
     assert batch.ref.records == 1  # only the document: the groups are dependencies
-    assert batch.ref.payload_bytes < 1024
+    own = sum(store.envelope(r)["payload_bytes"] for r in store.validate(batch.ref))
+    assert own < 1024  # nothing of the groups is copied into the document
+    # Usage counts what the set reaches: the document plus each dependency once (per edge).
+    assert batch.ref.payload_bytes == own + sum(g.ref.payload_bytes for g in groups)
     manifest = store.manifest(batch.ref)
     assert [d["digest"] for d in manifest["dependencies"]] == [g.ref.digest for g in groups]
     loaded = batch.load()
@@ -317,7 +320,9 @@ def test_a_list_of_group_refs_nests_without_loading_the_groups(store: SharedFile
 def test_a_tensor_ref_nests_as_a_reference_to_its_publication(store: SharedFilesystemStore) -> None:
     (routes,) = publish_tensors(store, {"routes": torch.arange(12).reshape(3, 4)}, submission_id="t")
     ref = codec.publish(store, {"r": routes, "again": routes}, submission_id="reuse")
-    assert ref.ref.records == 1 and ref.ref.payload_bytes < 1024
+    own = sum(store.envelope(r)["payload_bytes"] for r in store.validate(ref.ref))
+    assert ref.ref.records == 1 and own < 1024
+    assert ref.ref.payload_bytes == own + routes.nbytes  # the tensor's publication, once
     lazy = ref.load()
     assert lazy["r"] == routes and lazy["r"] is lazy["again"]
     assert torch.equal(ref.load(materialize=True)["r"], torch.arange(12).reshape(3, 4))

@@ -653,7 +653,7 @@ def test_i15_retaining_a_tombstoned_reference_the_store_still_caches(root: Path)
     store.seal()
     store.release_publications([ref])
     assert store.collect_garbage()["reclaimed_files"] == 1
-    with pytest.raises(InvalidReference, match="garbage-collected; republish"):
+    with pytest.raises(InvalidReference, match=r"garbage-collected \(reclaimed\); republish"):
         store.retain("late", [ref])
     with pytest.raises(InvalidReference, match="garbage-collected"), store.pin([ref]):
         raise AssertionError("not entered")
@@ -684,7 +684,7 @@ def test_i15_a_tombstone_is_refused_even_while_its_file_remains(root: Path) -> N
         store.collect_garbage()
     assert (root / pack(ref)).exists()
     fresh = open_store(root)
-    with pytest.raises(InvalidReference, match="garbage-collected; republish"):
+    with pytest.raises(InvalidReference, match=r"garbage-collected \(reclaimed\); republish"):
         fresh.retain("late", [ref])
     store.close()
 
@@ -848,7 +848,7 @@ def test_a_catalog_storage_error_in_a_lifetime_call_is_storage_unavailable(root:
 # --------------------------------------------------------------------------- readers
 
 
-def test_a_reader_with_the_pack_open_keeps_reading_a_new_reader_gets_storage_unavailable(root: Path) -> None:
+def test_a_reader_with_the_pack_open_keeps_reading_a_new_reader_is_refused(root: Path) -> None:
     writer = open_store(root, segment_target_bytes=0)
     ref = pub(writer, "a")
     writer.close()
@@ -857,8 +857,22 @@ def test_a_reader_with_the_pack_open_keeps_reading_a_new_reader_gets_storage_una
         assert [bytes(r.payload) for r in session.read(ref)] == [p for _, p in want("a")]
         assert open_store(root).collect_garbage()["reclaimed_files"] == 1
         assert [bytes(r.payload) for r in session.read(ref)] == [p for _, p in want("a")]
+    # The dead writer's directory went with its last pack: nothing of it is in the pool any more.
+    with pytest.raises(InvalidReference, match=re.escape(pack(ref)) + ".*garbage-collected"):
+        list(open_store(root).read(ref))
+
+
+def test_a_new_reader_of_a_collected_pack_whose_writer_has_others_gets_storage_unavailable(
+    root: Path,
+) -> None:
+    writer = open_store(root, segment_target_bytes=0, online_gc=True)
+    ref, kept = pub(writer, "a"), pub(writer, "b")
+    writer.release_publications([ref])
+    assert writer.collect_garbage()["reclaimed_files"] == 1
     with pytest.raises(StorageUnavailable, match=re.escape(pack(ref))):
         list(open_store(root).read(ref))
+    assert [bytes(r.payload) for r in open_store(root).read(kept)] == [p for _, p in want("b")]
+    writer.close()
 
 
 def test_publish_many_publications_in_one_pack_need_every_release(root: Path) -> None:

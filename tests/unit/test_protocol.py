@@ -389,7 +389,7 @@ def test_task_spec_rejects_max_attempts_below_one(attempts: object) -> None:
 @pytest.mark.parametrize("field_name", ["priority", "scheduling_key"])
 @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30, 1.0, False])
 def test_task_spec_rejects_values_outside_signed_64_bit(field_name: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"{field_name} must be an integer in the signed 64-bit range"):
+    with pytest.raises(ValueError, match=f"{field_name} must be a signed 64-bit integer"):
         TaskSpec("t", **{field_name: value})  # type: ignore[arg-type]
 
 

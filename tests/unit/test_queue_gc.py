@@ -31,6 +31,7 @@ import pytest
 
 from straw._catalog.log import Catalog
 from straw._fs import lock
+from straw._inspect.check import check_pool
 from straw.backend import FilesystemBackend
 from straw.coordinator import Coordinator
 from straw.errors import IndeterminateCommit, InvalidReference, StorageUnavailable, UnsupportedSchema
@@ -440,23 +441,30 @@ def test_an_acknowledged_result_goes_only_once_its_writer_and_owners_let_it(pool
     assert pool.alive(result) == [False]
 
 
-def test_a_missing_root_fails_collection_and_deletes_nothing(pool: Pool) -> None:
+def test_collection_after_recovery_reads_no_root_and_check_reports_a_missing_one(pool: Pool) -> None:
+    # Issue 10 item 12: the packs a root reaches are journaled with the call that named it, so
+    # collecting (even right after a recovery, with no descriptor cached) opens no root. A
+    # root lost outside straw therefore does not stop the collection of others; `straw check`
+    # is what reports it.
     data, stray = pool.put("input"), pool.put("stray")
     pool.queue.submit_tasks("r1", [TaskSpec("t", data)])
     os.unlink(pool.root / data.manifest.segment.path)  # lost outside straw
     pool.queue.close()
-    # A coordinator without cached descriptors (this process's store has the pack open).
     pool.queue = pool.open_queue(recover=True, store=pool.store())
-    with pytest.raises(StorageUnavailable, match=data.manifest.segment.path):
-        pool.queue.collect_garbage()
-    assert pool.alive(stray) == [True]
+    outcome = pool.queue.collect_garbage()
+    assert (outcome["reclaimed_files"], outcome["queue_roots"], outcome["queue_packs"]) == (1, 1, 1)
+    assert pool.alive(stray) == [False]
+    assert pool.owners_of(data) == [_queue_owner(pool)]  # still owned: the root is kept
+    report = check_pool(pool.root)
+    assert "root.missing_pack" in {f.code for f in report.findings if f.path == data.manifest.segment.path}
+    assert not report.ok
 
 
 def test_i15_a_collected_input_is_refused_and_nothing_is_journaled(pool: Pool) -> None:
     data = pool.put("input")
     assert [r.record_id for r in pool.coordinator_store.read(data)] == ["input"]  # cached there
     assert pool.queue.collect_garbage()["reclaimed_files"] == 1
-    with pytest.raises(InvalidReference, match="garbage-collected; republish"):
+    with pytest.raises(InvalidReference, match=r"garbage-collected \(reclaimed\); republish"):
         pool.queue.submit_tasks("r1", [TaskSpec("t", data)])
     assert pool.queue.task_status("t") is None
     assert pool.queue.submit_tasks("r2", [TaskSpec("t2")]) == ["t2"]  # the queue still works

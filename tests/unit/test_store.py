@@ -247,7 +247,7 @@ def test_publish_many_int_dependency_names_the_earlier_publication(store: Shared
 
 
 @pytest.mark.parametrize("dependency", [0, 1, 2, -1])
-def test_publish_many_int_dependency_on_itself_or_later_raises_value_error(
+def test_publish_many_int_dependency_on_itself_or_later_raises_invalid_reference(
     store: SharedFilesystemStore, tmp_path: Path, dependency: int
 ) -> None:
     publications = [
@@ -257,7 +257,7 @@ def test_publish_many_int_dependency_on_itself_or_later_raises_value_error(
     ]
     if dependency == 0:
         publications[0] = Publication((Record("a", b"A"),), (0,))  # itself
-    with pytest.raises(ValueError, match="must name an earlier publication"):
+    with pytest.raises(InvalidReference, match="must name an earlier publication"):
         store.publish_many(publications, submission_id="bad")
     assert pack_files(tmp_path) == []
 

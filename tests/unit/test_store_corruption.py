@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import xxhash
 
+import straw.store as store_module
 from straw._pack import frame
 from straw._pack.reader import PackReader
 from straw.backend import FilesystemBackend
@@ -577,8 +578,8 @@ def test_record_ref_with_a_non_segment_raises_invalid_reference(
         ({"size_delta": 1}, CorruptData, "header says"),  # the seal frame follows
         ({"offset": 0}, InvalidReference, "inside the pack header"),
         ({"offset": 63}, InvalidReference, "inside the pack header"),
-        ({"size": 40}, InvalidReference, "cannot hold an index frame"),
-        ({"size": -5}, InvalidReference, "out of range"),
+        ({"size": 40}, CorruptData, "cannot hold an index frame"),
+        ({"size": -5}, CorruptData, "cannot hold an index frame"),
         ({"offset": 2**63}, InvalidReference, "out of range"),
         ({"offset": 10**12}, CorruptData, "truncated"),
     ],
@@ -713,10 +714,10 @@ BAD_RECORDS: dict[str, tuple[Callable[[], Record], type[Exception], str]] = {
     ),
     "metadata-nan": (lambda: Record("m", b"p", metadata={"x": float("nan")}), ValueError, "NaN"),
     "metadata-int-key": (lambda: Record("m", b"p", metadata={1: "a"}), TypeError, "string keys"),
-    "payload-too-large": (
+    "payload-too-large": (  # RECORD_BYTES_MAX is shrunk to MAX_RECORD for these tests
         lambda: Record("big", bytes(MAX_RECORD + 1)),
         ResourceLimitExceeded,
-        f"payload of {MAX_RECORD + 1} bytes exceeds max_record_bytes={MAX_RECORD}",
+        f"payload of {MAX_RECORD + 1} bytes exceeds the record limit of {MAX_RECORD} bytes",
     ),
     "payload-not-contiguous": (
         lambda: Record("nc", np.arange(64, dtype=np.uint8)[::2]),
@@ -732,9 +733,12 @@ BAD_RECORDS: dict[str, tuple[Callable[[], Record], type[Exception], str]] = {
 
 @pytest.mark.parametrize("api", ["publish", "publish_many", "write_records"])
 @pytest.mark.parametrize("case", sorted(BAD_RECORDS))
-def test_record_breaking_a_limit_is_refused_and_nothing_is_written(root: Path, case: str, api: str) -> None:
+def test_record_breaking_a_limit_is_refused_and_nothing_is_written(
+    root: Path, case: str, api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     make, error, message = BAD_RECORDS[case]
-    store = open_store(root, max_record_bytes=MAX_RECORD)
+    monkeypatch.setattr(store_module, "RECORD_BYTES_MAX", MAX_RECORD)
+    store = open_store(root)
     earlier = store.publish([Record("earlier", b"kept")], submission_id="earlier")
     before = snapshot(root)
     good = Record("good", b"g")
@@ -754,8 +758,16 @@ def test_record_breaking_a_limit_is_refused_and_nothing_is_written(root: Path, c
     assert read_all(fresh, earlier) == [("earlier", b"kept")]
 
 
-def test_records_exactly_at_the_limits_are_accepted(root: Path) -> None:
-    store = open_store(root, max_record_bytes=MAX_RECORD)
+def test_max_record_bytes_is_kept_for_compatibility_and_caps_nothing(root: Path) -> None:
+    store = open_store(root, max_record_bytes=16)
+    ref = store.publish([Record("big", payload(1000, 3))], submission_id="big")
+    assert read_all(open_store(root), ref) == [("big", payload(1000, 3))]
+    assert store.max_record_bytes == 16
+
+
+def test_records_exactly_at_the_limits_are_accepted(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "RECORD_BYTES_MAX", MAX_RECORD)
+    store = open_store(root)
     metadata = {"k": "x" * (METADATA_BYTES_MAX - 8)}
     records = [
         Record("i" * RECORD_ID_BYTES_MAX, payload(MAX_RECORD, 8)),

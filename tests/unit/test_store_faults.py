@@ -30,10 +30,11 @@ import pytest
 
 from straw._fs import system
 from straw._pack import frame
-from straw.backend import FilesystemBackend
+from straw.backend import JUICEFS_REQUIRED, PEER_PHASES, FilesystemBackend
 from straw.errors import (
     IdempotencyConflict,
     IndeterminateCommit,
+    InvalidReference,
     QuotaExceeded,
     StorageUnavailable,
     WriterBusy,
@@ -150,6 +151,8 @@ class FaultAt:
     seen: list[list[str]] = field(default_factory=lambda: [[]])
 
     def __call__(self, phase: str) -> None:
+        if phase in PEER_PHASES:
+            return  # the peer's names for these points (test_backend.py checks them)
         if phase == "before_publish":
             self.writes += 1
             self.seen.append([])
@@ -192,15 +195,27 @@ def test_missing_file_waits_along_the_delays_then_raises_storage_unavailable(
     assert slept == list(delays if delays is not None else VISIBILITY_RETRY_DELAYS)
 
 
-def test_missing_writer_directory_waits_then_raises_storage_unavailable(tmp_path: Path) -> None:
+def test_a_missing_writer_directory_is_different_storage_at_once_on_a_local_disk(tmp_path: Path) -> None:
     root = tmp_path / "pool"
     ref = _missing_ref(root)
     shutil.rmtree((root / path_of(ref)).parent)  # the pack is gone; the writer's LIVE file goes too
     slept: list[float] = []
     store = open_store(root, backend=FilesystemBackend(root, sleep=slept.append))
-    with pytest.raises(StorageUnavailable, match=path_of(ref)):
+    with pytest.raises(InvalidReference, match="different storage"):
         read_all(store, ref)
-    assert slept == list(VISIBILITY_RETRY_DELAYS)
+    assert slept == []  # D2.1: a writer's directory is durable before any of its packs
+
+
+def test_a_missing_writer_directory_waits_on_a_shared_mount_then_is_different_storage(tmp_path: Path) -> None:
+    root = tmp_path / "pool"
+    ref = _missing_ref(root)
+    shutil.rmtree((root / path_of(ref)).parent)
+    slept: list[float] = []
+    declaration = {**JUICEFS_REQUIRED, "client_version": "test", "durability_description": "test"}
+    backend = FilesystemBackend(root, profile="juicefs", declaration=declaration, sleep=slept.append)
+    with pytest.raises(InvalidReference, match="different storage"):
+        read_all(open_store(root, backend=backend), ref)
+    assert slept == list(VISIBILITY_RETRY_DELAYS)  # the directory may show up late on this client
 
 
 @pytest.mark.parametrize("appear_after", [1, 2, len(VISIBILITY_RETRY_DELAYS)])
@@ -246,21 +261,18 @@ class Scenario:
     options: dict[str, Any]
     prior: int  # writes by the failing store before the failing one
     phases: list[str]  # phases of the failing write, in order
-    uncertain: frozenset[str]  # phases after the commit point: IndeterminateCommit
+    uncertain: frozenset[str]  # phases after the commit point: IndeterminateCommit (after_publish
+    # is after it too, but the reference is known good there: see _check_durable)
     new_file: bool  # the failing write creates a file (I7 applies)
     owes_dir_sync: frozenset[str] = frozenset()  # a retry repeats the directory sync
 
 
 DIR_PHASES = frozenset({"before_dir_sync", "after_dir_sync"})
 SCENARIOS = {
-    "first-write": Scenario({}, 0, FIRST_WRITE, DIR_PHASES | {"after_publish"}, True, DIR_PHASES),
-    "append": Scenario({}, 2, APPEND, frozenset({"after_data_sync", "after_publish"}), False),
-    "standalone": Scenario(
-        {"segment_target_bytes": 0}, 2, FIRST_WRITE, DIR_PHASES | {"after_publish"}, True, DIR_PHASES
-    ),
-    "rotate": Scenario(
-        {"segment_target_bytes": 6000}, 1, ROTATE, DIR_PHASES | {"after_publish"}, True, DIR_PHASES
-    ),
+    "first-write": Scenario({}, 0, FIRST_WRITE, DIR_PHASES, True, DIR_PHASES),
+    "append": Scenario({}, 2, APPEND, frozenset({"after_data_sync"}), False),
+    "standalone": Scenario({"segment_target_bytes": 0}, 2, FIRST_WRITE, DIR_PHASES, True, DIR_PHASES),
+    "rotate": Scenario({"segment_target_bytes": 6000}, 1, ROTATE, DIR_PHASES, True, DIR_PHASES),
 }
 CASES = [(name, phase) for name, scenario in SCENARIOS.items() for phase in scenario.phases]
 
@@ -299,7 +311,9 @@ def test_fault_at_each_phase_loses_nothing_acknowledged(tmp_path: Path, name: st
     files_before = visible(root)
     records = records_for("failing")
 
-    if phase in scenario.uncertain:
+    if phase == "after_publish":
+        _check_durable(root, store, records, written)
+    elif phase in scenario.uncertain:
         _check_uncertain(root, store, scenario, phase, records, written)
     else:
         _check_failed(root, store, scenario, phase, records, written, files_before)
@@ -338,6 +352,58 @@ def _check_failed(
     elif phase == "before_publish":
         assert path_of(ref) == last  # nothing was written: the open pack is still used
     publish(store, "after", written)
+
+
+def _check_durable(root: Path, store: SharedFilesystemStore, records: list[Record], written: Written) -> None:
+    """At ``after_publish`` the extent is durable and known: the hook's own error reaches the
+    caller unchanged (an OSError there is rechecked instead, test below), the retry answers
+    with the reference and writes nothing, and other writes are not held back."""
+    with pytest.raises(Boom, match="injected at after_publish"):
+        store.publish(records, submission_id="failing")
+    writes = store.metrics["writes"]
+    ref = store.publish(records, submission_id="failing")
+    assert store.metrics["writes"] == writes
+    written.append((ref, expected(records)))
+    assert read_all(open_store(root), ref) == expected(records)
+    publish(store, "after", written)
+
+
+def test_an_io_error_after_publish_is_rechecked_and_the_reference_returned(tmp_path: Path) -> None:
+    root = tmp_path / "pool"
+    store = open_store(root)
+    written: Written = []
+    publish(store, "first", written)
+
+    def fault(phase: str) -> None:
+        if phase == "after_publish":
+            raise OSError(5, "reply lost")
+
+    store.backend.fault = fault
+    ref = publish(store, "second", written)
+    store.backend.fault = None
+    assert store.publish(records_for("second"), submission_id="second") == ref
+    assert_all_read(root, written)
+
+
+def test_an_io_error_after_publish_with_an_unreadable_extent_is_indeterminate(tmp_path: Path) -> None:
+    root = tmp_path / "pool"
+    store = open_store(root, backend=FilesystemBackend(root, sleep=lambda _: None, visibility_delays=(0.0,)))
+    written: Written = []
+    first = publish(store, "first", written)
+    pack = root / path_of(first)
+
+    def fault(phase: str) -> None:
+        if phase == "after_publish":
+            pack.rename(pack.with_suffix(".hidden"))
+            raise OSError(5, "reply lost")
+
+    store.backend.fault = fault
+    with pytest.raises(IndeterminateCommit, match="could not be read back"):
+        store.publish(records_for("second"), submission_id="second")
+    store.backend.fault = None
+    pack.with_suffix(".hidden").rename(pack)
+    ref = store.publish(records_for("second"), submission_id="second")
+    assert read_all(open_store(root), ref) == expected(records_for("second"))
 
 
 def _check_uncertain(

@@ -433,6 +433,8 @@ def test_loading_after_the_pack_was_deleted_names_the_reference(
 def test_a_reference_pickles_small_with_only_its_mount_hint(
     store: SharedFilesystemStore, tmp_path: Path
 ) -> None:
+    # Issue 10 item 15: a reference names the mount path it was published under, so it
+    # loads in a process that attached nothing.
     (ref,) = publish_tensors(store, {"routes": torch.arange(4)}, submission_id="pickle")
     assert ref.root == str(tmp_path)
     data = pickle.dumps(ref)
@@ -549,7 +551,7 @@ def test_updated_writes_a_new_tensor_and_leaves_the_original(store: SharedFilesy
 
 
 def test_from_record_set_many_maps_tensor_ordinals_only(store: SharedFilesystemStore) -> None:
-    tensor_record = tensor_module.tensor_record(np.arange(4, dtype=np.int16), "t", "topk")[0]
+    tensor_record = tensor_module.tensor_record(np.arange(4, dtype=np.int16), "t", kind="topk")
     ref = store.publish(
         [Record("note", b"hello"), tensor_record, Record("more", b"x")], submission_id="mixed"
     )

@@ -55,11 +55,12 @@ def open_lock_file(path: str) -> int:
     return _system.current.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
 
 
-def create_locked(path: str) -> int:
+def create_locked(path: str, note: bytes = b"") -> int:
     """Create ``path`` already locked: lock a temporary file, then link it into place.
 
     Nobody can see ``path`` unlocked, so a collector that takes its lock knows the
-    holder is gone (docs/GC.md, writer liveness). Fails if ``path`` exists.
+    holder is gone (docs/GC.md, writer liveness). Fails if ``path`` exists. ``note``
+    is informational content (never synced, never trusted for a decision).
     """
     fs = _system.current
     directory, name = os.path.split(path)
@@ -67,6 +68,8 @@ def create_locked(path: str) -> int:
     fd = fs.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
     try:
         fs.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if note:
+            fs.pwritev(fd, [note], 0)
         _link(fs, temp, path)
     except BaseException:
         fs.close(fd)

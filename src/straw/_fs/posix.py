@@ -210,6 +210,12 @@ def mkdir_new(path: str) -> bool:
     return True
 
 
+def wait(sleep: Callable[[float], None], delay: float) -> None:
+    """One bounded visibility wait (D5.2): every wait of the library goes through ``_fs``, with
+    the sleep function injected so tests wait for nothing."""
+    sleep(delay)
+
+
 def retry_open(path: str, delays: Sequence[float], sleep: Callable[[float], None] = time.sleep) -> int:
     """Open ``path`` for reading, waiting along ``delays`` while it is not yet visible."""
     for delay in delays:

@@ -218,6 +218,21 @@ def _after_seal(file: _File, scan: PackScan, position: int) -> None:
     )
 
 
+def _cut_seal(file: _File, position: int) -> bool:
+    """The bytes at ``position`` open a seal frame (magic and kind) that the file cuts short."""
+    prefix = frame.FRAME_MAGIC + bytes([frame.KIND_SEAL])
+    size = file.size - position
+    if size < len(prefix) or file.read(len(prefix), position) != prefix:
+        return False
+    if size < frame.FRAME_HEADER_BYTES:
+        return True
+    try:
+        header = frame.decode_frame_header(file.read(frame.FRAME_HEADER_BYTES, position))
+    except (CorruptData, UnsupportedSchema):
+        return False  # not a seal's header after all: damage or a torn append, judged as before
+    return frame.FRAME_HEADER_BYTES + header.body_bytes > size
+
+
 def _stop(
     file: _File, scan: PackScan, position: int, shape: str, what: str, damaged: list[tuple[int, int, bool]]
 ) -> None:
@@ -246,6 +261,17 @@ def _stop(
         )
     tail_start = scan.valid_end
     scan.tail_bytes = file.size - tail_start
+    if _cut_seal(file, tail_start):
+        # docs/CHECK.md "Packs": a seal is the writer's last, single small write; a file that
+        # ends inside one was shortened after it was sealed, so the pack is not what was written.
+        scan.tail = "damaged"
+        scan.add(
+            "pack.short_seal",
+            "error",
+            f"{scan.path}: the file ends {scan.tail_bytes} bytes into the seal frame at offset {tail_start} "
+            "(the sealed pack was cut short after it was written)",
+        )
+        return
     if scan.tail_bytes == 0 or hard or shape == "damaged":
         scan.tail = "damaged" if (hard or shape == "damaged") else "none"
         return

@@ -46,6 +46,10 @@ class Recovered:
     truncated: str | None  # why a torn tail was zeroed, if one was
 
 
+class _Reached(Exception):
+    """A read-only replay (``upto``) reached the live appender's frames."""
+
+
 class Journal:
     """Segments and snapshots of one queue, with group-committed appends."""
 
@@ -102,25 +106,43 @@ class Journal:
 
     # -- recovery (J4) -----------------------------------------------------------------
 
-    def replay(self, apply: Callable[[int, bytes], None], load: Callable[[bytes], None]) -> Recovered:
+    def replay(
+        self, apply: Callable[[int, bytes], None], load: Callable[[bytes], None], *, upto: int | None = None
+    ) -> Recovered:
         """Hand the newest snapshot to ``load``, every later frame to ``apply``; zero a torn tail (J4).
 
         The walk is ``scan.walk_journal``, the one ``straw check`` uses; recovery raises its
-        first problem (J4.3, J7) and repairs only a torn tail of the last segment.
+        first problem (J4.3, J7) and repairs only a torn tail of the last segment. With
+        ``upto``, a read-only look at the durable history of a journal still open for appends:
+        the walk stops after frame ``upto``, nothing is zeroed or synced, this object is unchanged.
         """
         snapshot: list[bytes] = []
+        applied = [0]  # the last frame handed to ``apply``
 
         def loaded(body: bytes) -> None:
             snapshot.append(body)
             load(body)
 
+        def applying(seq: int, body: bytes) -> None:
+            if upto is not None and seq > upto:
+                raise _Reached  # frames past the durable position belong to the live appender
+            apply(seq, body)
+            applied[0] = seq
+
         try:
-            walked = scan.walk_journal(self.directory, self.tag, apply, loaded)
+            walked = scan.walk_journal(self.directory, self.tag, applying, loaded)
+        except _Reached:
+            return Recovered(
+                snapshot[-1] if snapshot else None, self.segment_first_seq, applied[0], b"", None
+            )
         except OSError as error:
             raise posix.storage_error(error, f"reading journal {self.directory}") from error
-        self.walked = walked
         if walked.problem is not None:
             raise walked.problem.error(walked.problem.message)
+        if upto is not None:
+            body = snapshot[-1] if snapshot else None
+            return Recovered(body, walked.snapshot_seq, walked.last_seq, walked.chain, None)
+        self.walked = walked
         if walked.snapshot_path is not None:
             self.segment_first_seq = walked.snapshot_seq
             self.snapshot_bytes = walked.snapshot_bytes
@@ -210,6 +232,17 @@ class Journal:
         self.segment_first_seq = first
         if old >= 0:
             posix.close_quietly(old)
+
+    @property
+    def segment_path(self) -> str:
+        """The segment frames are appended to now."""
+        return os.path.join(self.wal, _name(self.segment_first_seq, ".wal"))
+
+    @property
+    def durable_seq(self) -> int:
+        """The sequence number of the last frame known durable."""
+        with self._cv:
+            return self._durable
 
     def abandon(self) -> None:
         """Close the descriptor and write nothing more: what the kernel does when a process dies."""

@@ -8,6 +8,7 @@ on a freshly opened descriptor before it is reported (docs/DURABILITY.md A6).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -20,7 +21,7 @@ import xxhash
 from .._fs import posix
 from ..backend import FilesystemBackend
 from ..errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
-from ..limits import CHUNK_BYTES, INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MAX
+from ..limits import CHUNK_BYTES, INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MAX, WRITERS_CACHED_MAX
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
 from . import frame
 
@@ -109,6 +110,7 @@ class PackReader:
         self._files: OrderedDict[str, _File] = OrderedDict()
         self._indexes: OrderedDict[tuple[str, int, str], frame.Index] = OrderedDict()
         self._checked: SegmentRef | None = None
+        self._writers: set[str] = set()  # writer directories seen in this pool (a cache)
 
     def close(self) -> None:
         while self._files:
@@ -124,7 +126,8 @@ class PackReader:
             raise InvalidReference(f"expected a SegmentRef, got {type(segment).__name__}")
         if segment.run_id != self.run_id:
             raise InvalidReference(
-                f"reference belongs to run {segment.run_id!r}, this store reads run {self.run_id!r}"
+                f"reference belongs to run {segment.run_id!r}, this store reads run {self.run_id!r} "
+                "(different storage)"
             )
         if segment.version != frame.FORMAT_VERSION:
             raise UnsupportedSchema(f"reference format version {segment.version} is not supported")
@@ -140,10 +143,13 @@ class PackReader:
             raise InvalidReference(f"segment id {segment.segment_id!r} does not match path {segment.path!r}")
         for name in ("offset", "size"):
             value = getattr(segment, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PACK_BYTES_MAX:
-                raise InvalidReference(f"segment {name} {value!r} is out of range")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidReference(f"segment {name} {value!r} is not an integer")
+        if not 0 <= segment.offset <= PACK_BYTES_MAX:
+            raise InvalidReference(f"segment offset {segment.offset!r} is out of range")
+        # A size that no index frame can have is a damaged reference, like one a byte off (CorruptData).
         if not frame.FRAME_HEADER_BYTES < segment.size <= frame.FRAME_HEADER_BYTES + INDEX_BYTES_MAX:
-            raise InvalidReference(f"segment size {segment.size} cannot hold an index frame")
+            raise CorruptData(f"segment size {segment.size} cannot hold an index frame (damaged reference)")
         if segment.offset < frame.PACK_HEADER_BYTES:
             raise InvalidReference(f"segment offset {segment.offset} lies inside the pack header")
 
@@ -156,16 +162,11 @@ class PackReader:
             return handle
         path = self.backend.resolve(relative)
         try:
-            fd = self.backend.open_visible(path)
-        except FileNotFoundError:
-            raise StorageUnavailable(
-                f"{relative} is not visible after {sum(self.backend.visibility_delays):.1f}s "
-                "(not yet published on this client, or collected); retry later"
-            ) from None
+            fd = self._open_file(path, relative)
         except OSError as error:
             raise posix.storage_error(error, f"opening {relative}") from error
         try:
-            header = frame.decode_pack_header(self._pread(fd, frame.PACK_HEADER_BYTES, 0, relative))
+            header = frame.decode_pack_header(self._header_bytes(fd, relative))
             if header.run_tag != self.run_tag:
                 raise InvalidReference(f"{relative} belongs to another run than {self.run_id!r}")
             if header.segment_id != segment_id:
@@ -179,6 +180,50 @@ class PackReader:
             _, old = self._files.popitem(last=False)
             posix.close_quietly(old.fd)
         return handle
+
+    def _open_file(self, path: str, relative: str) -> int:
+        """D5.2: open a pack, waiting a bounded time for it to become visible. A reference whose
+        writer directory is not in this pool names different storage (another pool or run, or
+        a writer whose data was all collected): that is refused at once, not waited for."""
+        writer = os.path.dirname(path)
+        if writer not in self._writers:
+            if not posix.isdir(writer) and not self._appears(writer):
+                raise InvalidReference(
+                    f"{relative}: its writer directory is not in the pool at {self.backend.root} "
+                    "(different storage: a reference of another pool or run, or of data "
+                    "garbage-collected since)"
+                )
+            if len(self._writers) >= WRITERS_CACHED_MAX:
+                self._writers.clear()
+            self._writers.add(writer)
+        try:
+            return self.backend.open_visible(path)
+        except FileNotFoundError:
+            raise StorageUnavailable(
+                f"{relative} is not visible after {sum(self.backend.visibility_delays):.1f}s "
+                "(not yet published on this client, or collected); retry later"
+            ) from None
+
+    def _appears(self, directory: str) -> bool:
+        """On a shared mount a new writer's directory may show up on this client a moment late
+        (D5.2); a local filesystem shows it at once (D2.1 made it durable before any pack)."""
+        if self.backend.profile == "local":
+            return False
+        for delay in self.backend.visibility_delays:
+            posix.wait(self.backend.sleep, delay)
+            if posix.isdir(directory):
+                return True
+        return False
+
+    def _header_bytes(self, fd: int, relative: str) -> bytes | bytearray:
+        """The pack header; zeros where it should be are bytes not yet visible (D5.2a)."""
+        data = self._pread(fd, frame.PACK_HEADER_BYTES, 0, relative)
+        for delay in self.backend.visibility_delays:
+            if len(data) < frame.PACK_HEADER_BYTES or any(data):
+                break  # a short file is truncated, not late: only zeros of full length wait
+            posix.wait(self.backend.sleep, delay)
+            data = self._pread(fd, frame.PACK_HEADER_BYTES, 0, relative)
+        return data
 
     def _forget(self, relative: str) -> None:
         handle = self._files.pop(relative, None)
@@ -195,15 +240,27 @@ class PackReader:
     def _verified(
         self, relative: str, segment_id: str, size: int, offset: int, check: Callable[[Data], T]
     ) -> T:
-        """Read and check ``size`` bytes; on a short or bad read retry once on a fresh descriptor."""
+        """Read and check ``size`` bytes; on a short or bad read retry once on a fresh descriptor
+        (A6), and while the frame reads as zeros (its bytes not yet visible on this client, D5.2a)
+        along the visibility delays, before the damage is reported."""
         handle = self._open(relative, segment_id)
         data = self._pread(handle.fd, size, offset, relative)
         try:
             return _checked(data, size, offset, relative, check)
         except CorruptData:
             self._forget(relative)
-        handle = self._open(relative, segment_id)
-        return _checked(self._pread(handle.fd, size, offset, relative), size, offset, relative, check)
+        delays = iter(self.backend.visibility_delays)
+        while True:
+            handle = self._open(relative, segment_id)
+            data = self._pread(handle.fd, size, offset, relative)
+            try:
+                return _checked(data, size, offset, relative, check)
+            except CorruptData:
+                delay = next(delays, None) if len(data) == size and _unwritten(data) else None
+                if delay is None:
+                    raise
+            self._forget(relative)
+            posix.wait(self.backend.sleep, delay)
 
     # -- index frames -------------------------------------------------------------------
 
@@ -237,6 +294,54 @@ class PackReader:
         self._indexes[key] = index
         while len(self._indexes) > INDEX_CACHE_MAX:
             self._indexes.popitem(last=False)
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def sealed_extents(self, relative: str) -> list[SegmentRef] | None:
+        """Every extent of a sealed pack, in order, each index frame verified; None when the pack
+        is still open for appends (it ends without a seal frame, in zeros or at its end).
+
+        Walks the frames from the header (each frame header is checksummed), so it finds the
+        extents without trusting any reference. Damage before the seal is ``CorruptData``.
+        """
+        match = _PATH.fullmatch(relative)
+        if match is None:
+            raise InvalidReference(f"path {relative!r} is not a straw pack path")
+        segment_id = match.group(2)
+        handle = self._open(relative, segment_id)
+        size = posix.fstat_size(handle.fd)
+        position = frame.PACK_HEADER_BYTES
+        found: list[SegmentRef] = []
+        while position + frame.FRAME_HEADER_BYTES <= size:
+            head = self._pread(handle.fd, frame.FRAME_HEADER_BYTES, position, relative)
+            if not any(head):
+                return None  # zeros written ahead of an open pack's next append (D1.2a)
+            header = frame.decode_frame_header(head)
+            end = position + frame.FRAME_HEADER_BYTES + header.body_bytes
+            if end > size:
+                return None  # an append still being written: the pack is open
+            if header.kind == frame.KIND_INDEX:
+                segment = SegmentRef(
+                    self.run_id, relative, segment_id, end - position, header.body_checksum,
+                    frame.FORMAT_VERSION, CHECKSUM_ALGORITHM, position,
+                )  # fmt: skip
+                self.index(segment)
+                found.append(segment)
+            elif header.kind == frame.KIND_SEAL:
+                body = self._pread(
+                    handle.fd, header.body_bytes, position + frame.FRAME_HEADER_BYTES, relative
+                )
+                extents, sealed_at = frame.parse_seal(
+                    frame.decode_json_frame(head + body, frame.KIND_SEAL, None)
+                )
+                if (extents, sealed_at) != (len(found), position):
+                    raise CorruptData(
+                        f"{relative}: its seal names {extents} extents ending at {sealed_at}, "
+                        f"the pack holds {len(found)} ending at {position}"
+                    )
+                return found
+            position = end
+        return None
 
     # -- payloads --------------------------------------------------------------------------
 
@@ -299,7 +404,8 @@ class PackReader:
         if not target.nbytes:
             return
         handle = self._open(segment.path, segment.segment_id)
-        for retry in (False, True):
+        delays = iter((0.0, *self.backend.visibility_delays))
+        while True:
             try:
                 got = posix.preadinto(handle.fd, target, entry.offset + start)
             except OSError as error:
@@ -313,11 +419,22 @@ class PackReader:
                 _verify_chunks(target, entry, chunk, first, segment.path)
                 return
             except CorruptData:
-                if retry:
+                # A6: a stale descriptor on a shared mount: retry once on a fresh one at once;
+                # bytes not yet visible (zeros, D5.2a) get the visibility delays as well.
+                delay = next(delays, None)
+                if delay is None or (delay and not _unwritten(target)):
                     raise
-            # A6: a stale descriptor on a shared mount; retry once on a fresh one.
             self._forget(segment.path)
+            if delay:
+                posix.wait(self.backend.sleep, delay)
             handle = self._open(segment.path, segment.segment_id)
+
+
+def _unwritten(data: Data | memoryview) -> bool:
+    """Whether a failed read looks like space whose bytes are not yet visible on this client
+    (D5.2a): it starts with four zero bytes, where a frame's magic or a payload belongs."""
+    head = memoryview(data)[:4]
+    return len(head) == 4 and not any(head)
 
 
 def _verify_chunks(view: memoryview, entry: frame.IndexEntry, chunk: int, first: int, path: str) -> None:

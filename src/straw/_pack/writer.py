@@ -8,6 +8,7 @@ durable extent: record frames followed by the index frame that names them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -15,10 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import xxhash
+
 from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
-from ..limits import PACK_PREALLOC_BYTES
+from ..limits import CHUNK_BYTES, PACK_PREALLOC_BYTES
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
 from . import frame, reader
 
@@ -68,6 +71,22 @@ class _OpenPack:
     allocated: int = 0
 
 
+class BufferChanged(ValueError):
+    """A caller changed a payload buffer while it was being published (D1.2b)."""
+
+
+def _unchanged(entries: Sequence[Entry]) -> None:
+    """D1.2b: every payload still hashes to what its index frame records, now that its bytes
+    were written from the caller's memory; a buffer changed meanwhile would leave an extent
+    whose reads fail (CorruptData), so the write is refused instead, before its sync."""
+    for e in entries:
+        if e.inline is None and xxhash.xxh3_128_hexdigest(e.payload) != e.content:
+            raise BufferChanged(
+                f"record {e.record_id!r}: its payload buffer changed during publication (while its "
+                "bytes were written); nothing was published: keep the buffer unchanged and retry"
+            )
+
+
 #: Called with (pack path, extents) once a pack is sealed (the store records it in the catalog).
 SealHook = Callable[[str, dict[int, list[int]]], None]
 
@@ -104,6 +123,8 @@ class PackWriter:
         self._directory_durable = False
         self._live_fd = -1
         self.on_seal: SealHook | None = None
+        #: Informational content of the LIVE file (FORMAT.md section 1), set by the store.
+        self.live_note = b""
         self.packs_created = 0
         self.bytes_written = 0
 
@@ -128,7 +149,7 @@ class PackWriter:
             extent_end = layout.index_offset + layout.index_size
             # D3: rotate before crossing the target, unless the pack is empty (a big extent stays whole).
             if not pack.extents or extent_end <= self.segment_target_bytes:
-                return self._append(pack, layout, manifests)
+                return self._append(pack, layout, manifests, entries)
             self.backend.fault("before_rotate")
             self.seal()
         return self._write_new_file(entries, submission_id, manifests, standalone=False)
@@ -211,6 +232,15 @@ class PackWriter:
         buffers += [head, body]
         return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed)
 
+    def _chunk_phases(self, entries: Sequence[frame.IndexEntry]) -> None:
+        """The peer's ``after_payload_chunk`` phase, once per payload chunk written (all of an
+        extent is written by one vectored call, so they come together, before its sync)."""
+        if not self.backend.fault_hooked:
+            return
+        for e in entries:
+            for _ in range(-(-e.length // CHUNK_BYTES) if e.inline is None else 0):
+                self.backend.fault("after_payload_chunk")
+
     def _segment(self, relative: str, segment_id: str, offset: int, size: int, sum_hex: str) -> SegmentRef:
         return SegmentRef(
             run_id=self.run_id,
@@ -223,7 +253,9 @@ class PackWriter:
             offset=offset,
         )
 
-    def _append(self, pack: _OpenPack, layout: _Layout, manifests: Sequence[int]) -> SegmentRef:
+    def _append(
+        self, pack: _OpenPack, layout: _Layout, manifests: Sequence[int], entries: Sequence[Entry]
+    ) -> SegmentRef:
         buffers, index_offset, index_size, sum_hex = layout[:4]
         segment = self._segment(pack.relative, pack.segment_id, index_offset, index_size, sum_hex)
         end = index_offset + index_size
@@ -241,10 +273,17 @@ class PackWriter:
                 posix.pwrite_all(pack.fd, [bytes(end + PACK_PREALLOC_BYTES - start)], start)
                 pack.allocated = end + PACK_PREALLOC_BYTES
             self.backend.fault("after_data_write")
+            self._chunk_phases(layout.entries)
+            _unchanged(entries)
             self.backend.sync_file(pack.fd)
-        except BaseException:
+        except BaseException as error:
             # D1 failed: bytes past pack.size may be torn or unsynced. Nothing
             # names them; never append after them (docs/DURABILITY.md I3).
+            if isinstance(error, BufferChanged):
+                # The extent is whole but its bytes are not what its index says: cut it, so no
+                # complete-looking damaged extent stays behind (nothing was synced or named).
+                with contextlib.suppress(OSError):
+                    posix.truncate(pack.fd, pack.size)
             self.abandon()
             raise
         pack.size += written
@@ -274,7 +313,7 @@ class PackWriter:
         if self._live_fd < 0:
             # docs/GC.md: the liveness lock exists before any file of this writer does, so a
             # collector that can take it knows the writer is dead.
-            self._live_fd = lock.create_locked(os.path.join(directory, LIVE_FILE))
+            self._live_fd = lock.create_locked(os.path.join(directory, LIVE_FILE), self.live_note)
         segment_id = secrets.token_hex(16)
         suffix = STANDALONE_SUFFIX if standalone else PACK_SUFFIX
         relative = f"{self.directory}/{segment_id}{suffix}"
@@ -295,6 +334,8 @@ class PackWriter:
             self.backend.fault("before_data_write")
             written = posix.pwrite_all(fd, [header, *buffers], 0)
             self.backend.fault("after_data_write")
+            self._chunk_phases(layout.entries)
+            _unchanged(entries)
             self.backend.sync_file(fd)
             self.backend.fault("after_data_sync")
             posix.rename(temp, final)

@@ -29,9 +29,12 @@ from ..errors import (
     LeaseExpired,
     ResourceLimitExceeded,
     StaleAttempt,
+    StorageUnavailable,
+    UnsafeRecovery,
     UnsupportedSchema,
     invariant,
 )
+from ..limits import TASK_METADATA_BYTES_MAX
 from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
 from .commits import CommitLog
 from .index import Key, PendingIndex, pending_key
@@ -49,6 +52,8 @@ class Answer:
 
 
 PENDING, LEASED, COMPLETED, FAILED, CANCELLED = "pending", "leased", "completed", "failed", "cancelled"
+#: What ``save_task_progress(_many)`` answers (the tasks stay leased).
+SAVED = "saved"
 STATES = (PENDING, LEASED, COMPLETED, FAILED, CANCELLED)
 
 #: (from state, event) -> to states. Anything else is a bug (``invariant``).
@@ -97,6 +102,10 @@ class Task:
         return result
 
 
+#: What the training consumer acknowledges: (processed_cursor, processed_positions above it).
+Acked = tuple[int, frozenset[int]]
+
+
 @dataclass
 class Consumer:
     owner: str
@@ -137,6 +146,16 @@ class QueueState:
     batches: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
+    #: Accepted history the queue stopped owning (docs/QUEUE.md "Released history"): every
+    #: position below ``released_cursor`` and those in ``released_positions`` (all above it).
+    #: Set by ``collect_garbage`` to what the training consumer had acknowledged; a rewind of
+    #: that consumer takes positions back (the queue owns them again).
+    released_cursor: int = 0
+    released_positions: frozenset[int] = frozenset()
+    #: Packs each named reference reaches (``ref_key`` -> packs, or 0 for just its manifest's
+    #: pack), journaled with the call that named it: collecting garbage, even right after a
+    #: recovery, reads nothing to know a root's packs (docs/GC.md "Queue roots").
+    ref_packs: dict[str, list[str] | int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
 
@@ -236,11 +255,7 @@ class QueueState:
         for spec in specs:
             if not isinstance(spec, TaskSpec):
                 raise TypeError(f"submit_tasks takes TaskSpec objects, got {type(spec).__name__}")
-            size = len(encode(spec.metadata)) if spec.metadata else 2
-            if size > self.metadata_bytes:
-                raise ResourceLimitExceeded(
-                    f"task {spec.task_id!r}: metadata is {size} bytes, the limit is {self.metadata_bytes}"
-                )
+            _check_task_metadata(spec)
         if producer_state is not None and producer_id is None:
             raise ValueError("producer_state needs a producer_id")
         refs, rows = _compact_specs(specs)
@@ -502,12 +517,6 @@ class QueueState:
         if known is not None:
             return known
         task = self.current(lease, now)
-        if result_ref.payload_bytes > self.max_result_bytes or result_ref.tokens > self.max_result_tokens:
-            raise ResourceLimitExceeded(
-                f"result of task {lease.task_id!r} has {result_ref.payload_bytes} bytes and "
-                f"{result_ref.tokens} tokens; the queue accepts at most {self.max_result_bytes} and "
-                f"{self.max_result_tokens}"
-            )
         if result_ref.records == 0 and not task.spec.allow_empty:
             raise ValueError(f"task {lease.task_id!r} does not allow an empty result (allow_empty=False)")
         return {
@@ -635,11 +644,7 @@ class QueueState:
             return Answer(list(reply[1]))
         for update, item in zip(updates, normal, strict=True):
             task = self.current(update["lease"], now, allow_expired=True)
-            spec = _replace_spec(task.spec, item)  # validates priority range and metadata
-            if len(encode(spec.metadata)) > self.metadata_bytes:
-                raise ResourceLimitExceeded(
-                    f"task {spec.task_id!r}: metadata over {self.metadata_bytes} bytes"
-                )
+            _check_task_metadata(_replace_spec(task.spec, item))  # validates priority and metadata
         if len({item["task_id"] for item in normal}) != len(normal):
             raise ValueError("yield_tasks got the same task twice")
         return {"op": "yield", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
@@ -755,6 +760,10 @@ class QueueState:
         ]
         self._reclaim(leased, f"revoked by recovery (epoch {self.epoch})")
         self.draining = False
+        # Recovery also ends every consumer's ownership (its token is revoked, its state kept):
+        # whoever now declares itself the owner may open it.
+        for consumer in self.consumers.values():
+            consumer.open = False
         return self.epoch
 
     # ------------------------------------------------------------------ consumers, batches, checkpoints
@@ -764,8 +773,9 @@ class QueueState:
         _check_name(owner, "exclusive_owner")
         consumer = self.consumers.get(consumer_id)
         if consumer is not None and consumer.open and consumer.owner != owner:
-            raise IdempotencyConflict(
-                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; close it first"
+            raise UnsafeRecovery(
+                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; a second live owner is "
+                "refused: close it, or recover the coordinator once that owner is known to be stopped"
             )
         return {"op": "open_consumer", "consumer_id": consumer_id, "owner": owner, "token": token}
 
@@ -792,25 +802,100 @@ class QueueState:
         return True
 
     def check_save_consumer(
-        self, consumer_id: str, token: str, request_id: str, state: dict[str, Any]
+        self,
+        consumer_id: str,
+        token: str,
+        request_id: str,
+        state: dict[str, Any],
+        acked: Acked | None = None,
+        verified: frozenset[int] = frozenset(),
     ) -> Event | Answer:
+        """``acked``: what the new state acknowledges, for the training consumer; ``verified``:
+        released positions the caller checked are still readable and owns again (a rewind)."""
         fingerprint = digest(["consumer", consumer_id, state])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(reply[1])
-        consumer = self.consumer(consumer_id, token)
-        _check_cursors(state, consumer.state, len(self.commits))
-        return {
+        self.consumer(consumer_id, token)
+        _check_cursors(state, len(self.commits))
+        event: Event = {
             "op": "save_consumer",
             "request_id": request_id,
             "fingerprint": fingerprint,
             "consumer_id": consumer_id,
             "state": state,
         }
+        self._rewind_into(event, acked, verified)
+        return event
+
+    def _rewind_into(self, event: Event, acked: Acked | None, verified: frozenset[int]) -> None:
+        """A rewind takes released history back: the event carries the new released set."""
+        if acked is None:
+            return
+        back = self.reowned_by(acked)
+        missing = [p for p in back if p not in verified]
+        if missing:
+            raise StorageUnavailable(
+                f"accepted position {missing[0]} was released while this call checked the history; retry"
+            )
+        if back:
+            cursor, positions = self.released_after(acked)
+            event["released"] = [cursor, sorted(positions)]
 
     def _apply_save_consumer(self, event: Event) -> Any:
         self.consumers[event["consumer_id"]].state = event["state"]
+        self._apply_released(event)
         return self._remember(event, event["state"])
+
+    def _apply_released(self, event: Event) -> None:
+        released = event.get("released")
+        if released is not None:
+            self.released_cursor, self.released_positions = int(released[0]), frozenset(released[1])
+
+    # -- released history ----------------------------------------------------------------
+
+    def has_released(self) -> bool:
+        return bool(self.released_cursor or self.released_positions)
+
+    def is_released(self, position: int) -> bool:
+        return position < self.released_cursor or position in self.released_positions
+
+    def first_released(self, start: int, stop: int) -> int | None:
+        """The first released position in ``start..stop-1``, if any."""
+        if start >= stop:
+            return None
+        if start < self.released_cursor:
+            return start
+        inside = [p for p in self.released_positions if start <= p < stop]
+        return min(inside) if inside else None
+
+    def released_after(self, acked: Acked) -> tuple[int, frozenset[int]]:
+        """The released set once the training consumer acknowledges only ``acked``: what was
+        released and is still acknowledged (an intersection; it never grows here)."""
+        c_r, p_r = self.released_cursor, self.released_positions
+        c_a, p_a = acked
+        if c_r <= c_a:
+            return c_r, frozenset(p for p in p_r if p < c_a or p in p_a)
+        return c_a, frozenset(p for p in p_a if p < c_r or p in p_r)
+
+    def reowned_by(self, acked: Acked) -> list[int]:
+        """Released positions that ``acked`` no longer acknowledges (a rewind takes them back)."""
+        c_r, p_r = self.released_cursor, self.released_positions
+        c_a, p_a = acked
+        back = {p for p in p_r if p >= c_a and p not in p_a}
+        back.update(p for p in range(c_a, c_r) if p not in p_a)
+        return sorted(back)
+
+    def check_release_history(self, acked: Acked) -> Event | None:
+        """``collect_garbage`` stops owning what the training consumer acknowledged."""
+        cursor, positions = acked
+        positions = frozenset(p for p in positions if p >= cursor)
+        if (cursor, positions) == (self.released_cursor, self.released_positions):
+            return None
+        return {"op": "release_history", "released": [cursor, sorted(positions)]}
+
+    def _apply_release_history(self, event: Event) -> None:
+        self._apply_released(event)
 
     def check_plan_batch(self, consumer_id: str, token: str, batch: dict[str, Any]) -> Event | Answer:
         self.consumer(consumer_id, token)
@@ -832,7 +917,14 @@ class QueueState:
         return batch
 
     def check_batch_ready(
-        self, consumer_id: str, token: str, batch_id: str, ready_ref: dict[str, Any], state: dict[str, Any]
+        self,
+        consumer_id: str,
+        token: str,
+        batch_id: str,
+        ready_ref: dict[str, Any],
+        state: dict[str, Any],
+        acked: Acked | None = None,
+        verified: frozenset[int] = frozenset(),
     ) -> Event | Answer:
         consumer = self.consumer(consumer_id, token)
         batch = self.batches.get(batch_id)
@@ -844,24 +936,29 @@ class QueueState:
             if batch["ready_ref"] != ready_ref:
                 raise IdempotencyConflict(f"batch {batch_id!r} is already ready with another result")
             return Answer({"batch_id": batch_id, "ready_ref": batch["ready_ref"], "state": consumer.state})
-        _check_cursors(state, consumer.state, len(self.commits))
-        return {
+        _check_cursors(state, len(self.commits))
+        event: Event = {
             "op": "batch_ready",
             "consumer_id": consumer_id,
             "batch_id": batch_id,
             "ready_ref": ready_ref,
             "state": state,
         }
+        self._rewind_into(event, acked, verified)
+        return event
 
     def _apply_batch_ready(self, event: Event) -> dict[str, Any]:
         batch = self.batches[event["batch_id"]]
         batch["ready"] = True
         batch["ready_ref"] = event["ready_ref"]
         self.consumers[event["consumer_id"]].state = event["state"]
+        self._apply_released(event)
         return {"batch_id": event["batch_id"], "ready_ref": event["ready_ref"], "state": event["state"]}
 
     def _apply_register_checkpoint(self, event: Event) -> dict[str, Any]:
         entry = {"checkpoint_id": event["checkpoint_id"], "checkpoint_ref": event["checkpoint_ref"]}
+        if event.get("batch_ids"):
+            entry["batch_ids"] = list(event["batch_ids"])  # what it trained on (accounting only)
         self.checkpoints[event["checkpoint_id"]] = entry
         return entry
 
@@ -874,12 +971,16 @@ class QueueState:
         """Perform one event (live or replayed). Unknown ops are a bug or a newer journal."""
         handler = _APPLY.get(event.get("op", ""))
         invariant(handler is not None, f"event op {event.get('op')!r} is known")
-        return handler(self, event)  # type: ignore[misc]
+        reply = handler(self, event)  # type: ignore[misc]
+        reach = event.get("reach")
+        if reach:
+            self.ref_packs.update(reach)
+        return reply
 
     # ------------------------------------------------------------------ GC roots
 
     def roots(
-        self, acknowledged: Callable[[int], bool], finished: set[str]
+        self, acknowledged: Callable[[int], bool], finished: frozenset[str] | set[str]
     ) -> tuple[list[dict[str, Any]], set[str]]:
         """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as
         dicts, and packs already known (those of accepted results, recorded when accepted).
@@ -909,7 +1010,63 @@ class QueueState:
         refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
         return refs, packs
 
+    def known_reach(self, refs: Iterable[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], set[str]]:
+        """Split root references into those whose packs were journaled (their packs, returned)
+        and those still to resolve (named before packs were journaled with references)."""
+        unknown = []
+        packs: set[str] = set()
+        for ref in refs:
+            known = self.ref_packs.get(ref_key(ref))
+            if known is None:
+                unknown.append(ref)
+            elif known == 0:
+                packs.add(ref["manifest"]["segment"]["path"])
+            else:
+                packs.update(known)  # type: ignore[arg-type]
+        return unknown, packs
+
     # ------------------------------------------------------------------ views
+
+    def usage(self, acknowledged: Callable[[int], bool], finished: frozenset[str]) -> dict[str, Any]:
+        """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
+        results not yet processed, plus the estimates of leased production tasks; ready batches."""
+        unprocessed = {"records": 0, "bytes": 0, "tokens": 0}
+        for position in range(len(self.commits)):
+            if not acknowledged(position):
+                ref = self.commits[position]["result_ref"]
+                unprocessed["records"] += ref["records"]
+                unprocessed["bytes"] += ref["payload_bytes"]
+                unprocessed["tokens"] += ref["tokens"]
+        inflight = control = 0
+        reserved = dict(unprocessed)
+        for task in self.tasks.values():
+            if task.state != LEASED:
+                continue
+            if task.spec.control:
+                control += 1
+                continue
+            inflight += 1
+            reserved["records"] += task.spec.estimated_records
+            reserved["bytes"] += task.spec.estimated_bytes
+            reserved["tokens"] += task.spec.estimated_tokens
+        ready = {"records": 0, "bytes": 0, "tokens": 0}
+        trained = set(finished)
+        for entry in self.checkpoints.values():
+            trained.update(entry.get("batch_ids", ()))
+        for batch_id, batch in self.batches.items():
+            ref = batch.get("ready_ref")
+            if batch.get("ready") and ref is not None and batch_id not in trained:
+                ready["records"] += ref["records"]
+                ready["bytes"] += ref["payload_bytes"]
+                ready["tokens"] += ref["tokens"]
+        return {
+            "accepted_unprocessed": unprocessed,
+            **reserved,
+            "inflight": inflight,
+            "control_inflight": control,
+            "train_ready": ready,
+            "ready_bytes": ready["bytes"],
+        }
 
     def pending_specs(self, task_prefix: str | None, min_priority: int | None) -> list[TaskSpec]:
         out = []
@@ -921,6 +1078,23 @@ class QueueState:
                 continue
             out.append(spec)
         return out
+
+
+def _check_task_metadata(spec: TaskSpec) -> None:
+    """A task's metadata is bounded by what a journal frame holds (TASK_METADATA_BYTES_MAX);
+    ``Limits.metadata_bytes`` is an identity field of the queue, not a quota (API.md 2)."""
+    size = len(encode(spec.metadata)) if spec.metadata else 2
+    if size > TASK_METADATA_BYTES_MAX:
+        raise ResourceLimitExceeded(
+            f"task {spec.task_id!r}: metadata is {size} bytes, the limit is {TASK_METADATA_BYTES_MAX}"
+        )
+
+
+def ref_key(ref: Mapping[str, Any]) -> str:
+    """A record set reference's identity in ``QueueState.ref_packs``: its manifest's place."""
+    manifest = ref["manifest"]
+    segment = manifest["segment"]
+    return f"{segment['path']}@{segment['offset']}#{manifest['ordinal']}"
 
 
 def journal_body(event: Event) -> bytes:
@@ -986,6 +1160,8 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
         "batches": state.batches,
         "checkpoints": state.checkpoints,
+        "released": [state.released_cursor, sorted(state.released_positions)],
+        "ref_packs": state.ref_packs,
     }
 
 
@@ -1084,6 +1260,9 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
     state.batches = dict(data["batches"])
     state.checkpoints = dict(data["checkpoints"])
+    state.ref_packs = dict(data.get("ref_packs", {}))  # absent in older snapshots: roots are read
+    released = data.get("released", [0, []])  # absent in snapshots written before released history
+    state.released_cursor, state.released_positions = int(released[0]), frozenset(released[1])
     return state
 
 
@@ -1108,6 +1287,7 @@ _APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
     "batch_ready": QueueState._apply_batch_ready,
     "register_checkpoint": QueueState._apply_register_checkpoint,
     "release_checkpoint": QueueState._apply_release_checkpoint,
+    "release_history": QueueState._apply_release_history,
 }
 
 
@@ -1162,14 +1342,11 @@ def _check_name(value: object, what: str) -> None:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}")
 
 
-def _check_cursors(state: Mapping[str, Any], old: Mapping[str, Any] | None, commits: int) -> None:
+def _check_cursors(state: Mapping[str, Any], commits: int) -> None:
+    """Cursors name accepted positions; either may move back (a checkpoint restored)."""
     fetch, processed = state["fetch_cursor"], state["processed_cursor"]
     for name, value in (("fetch_cursor", fetch), ("processed_cursor", processed)):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= commits:
             raise ValueError(f"{name} must be an integer in 0..{commits} (accepted results), got {value!r}")
     if processed > fetch:
         raise ValueError(f"processed_cursor {processed} is ahead of fetch_cursor {fetch}")
-    if old is not None and processed < old["processed_cursor"]:
-        raise ValueError(
-            f"processed_cursor may not move backwards ({old['processed_cursor']} -> {processed})"
-        )

@@ -120,13 +120,19 @@ def producer(producer_id: object, producer_state: object) -> None:
 
 
 def failure(value: object, retryable: object) -> None:
-    """``fail_task``'s reason (a bounded string) and its retry flag (a bool)."""
-    if not isinstance(value, str):
-        raise TypeError(f"failure must be a string saying why the task failed, got {type(value).__name__}")
-    _check_string(value, "failure")
-    size = len(value.encode("utf-8"))
-    if size > FAILURE_BYTES_MAX:
-        raise ResourceLimitExceeded(f"failure is {size} bytes, the limit is {FAILURE_BYTES_MAX}")
+    """``fail_task``'s reason, a bounded string or JSON object (the peer's callers pass
+    either), and its retry flag (a bool)."""
+    if isinstance(value, Mapping):
+        json_value(value, "failure", FAILURE_BYTES_MAX)
+    elif isinstance(value, str):
+        _check_string(value, "failure")
+        size = len(value.encode("utf-8"))
+        if size > FAILURE_BYTES_MAX:
+            raise ResourceLimitExceeded(f"failure is {size} bytes, the limit is {FAILURE_BYTES_MAX}")
+    else:
+        raise TypeError(
+            f"failure must be a string or a JSON object saying why the task failed, got {type(value).__name__}"
+        )
     flag(retryable, "retryable")
 
 

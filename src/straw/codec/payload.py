@@ -225,7 +225,7 @@ def _publication(
     for part in encoded.parts:
         if part.kind == "tensor":
             try:
-                record = tensor_record(part.value, part.record_id, part.tensor_kind, meta)[0]
+                record = tensor_record(part.value, part.record_id, kind=part.tensor_kind, metadata=meta)
             except UnsupportedSchema as error:
                 raise UnsupportedSchema(f"{part.record_id}: {error}") from None
             codecs.add(TENSOR_CODEC)

@@ -617,7 +617,8 @@ class QueueController:
             if current:
                 request = "return:" + digest([_update_fields(item) for item in current])
                 self._fault("return:yield")
-                outcomes = queue.yield_tasks(current, request_id=request)
+                # One answer for the whole yield ("pending", as the peer); one entry per update here.
+                outcomes = [queue.yield_tasks(current, request_id=request)] * len(current)
                 self._note_superseded(item.get("metadata") for item in current)
             fresh = [spec for spec in specs if queue.task_status(spec.task_id) is None]
             if fresh:

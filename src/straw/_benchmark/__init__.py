@@ -1,0 +1,1 @@
+"""Machinery of ``straw.benchmark``: trace profiles and the local queue benchmark (``straw-benchmark``)."""
