@@ -130,9 +130,8 @@ def failure(value: object, retryable: object) -> None:
         if size > FAILURE_BYTES_MAX:
             raise ResourceLimitExceeded(f"failure is {size} bytes, the limit is {FAILURE_BYTES_MAX}")
     else:
-        raise TypeError(
-            f"failure must be a string or a JSON object saying why the task failed, got {type(value).__name__}"
-        )
+        kind = type(value).__name__
+        raise TypeError(f"failure must be a string or a JSON object saying why the task failed, got {kind}")
     flag(retryable, "retryable")
 
 
