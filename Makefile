@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src/straw
 	$(BIN)/python -m pytest
 
@@ -35,15 +35,15 @@ bench: $(STAMP)
 	$(BIN)/straw bench
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src/straw
 
 fmt: $(STAMP)
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
 
 slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

@@ -134,9 +134,8 @@ async def main(args: argparse.Namespace) -> None:
             await generator.aclose()
     for c in (1, 4, 16):
         rate = await simulated(c, args.latency, args.groups)
-        print(
-            f"simulated engine, max_concurrency={c:<3} {rate:>8.1f} groups/s = {rate * args.latency / c:.2f} x C/L"
-        )
+        share = rate * args.latency / c
+        print(f"simulated engine, max_concurrency={c:<3} {rate:>8.1f} groups/s = {share:.2f} x C/L")
 
 
 if __name__ == "__main__":

@@ -904,8 +904,7 @@ class Coordinator:
         _required_ref(state_ref, "state_ref")
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         packs, adopted = self._verify_inputs([state_ref, progress_ref])
-        self._check_progress(consumer_id, progress_ref)
-        acked, verified, history = self._rewind(consumer_id, state)
+        acked, verified, history = self._rewind(self._check_progress(consumer_id, state))
         return dict(
             self._commit(
                 lambda: self._state.check_save_consumer(
@@ -916,27 +915,28 @@ class Coordinator:
             )
         )
 
-    def _check_progress(self, consumer_id: str, progress_ref: RecordSetRef | None) -> None:
-        """The training consumer's progress record must parse (GC reads it on every collection)."""
-        if consumer_id != TRAINING or progress_ref is None:
-            return
+    def _check_progress(self, consumer_id: str, state: Mapping[str, Any]) -> Acknowledged | None:
+        """What a ``training`` state acknowledges, read once; its progress record must parse
+        (GC reads it on every collection). Other consumers' states acknowledge nothing."""
+        if consumer_id != TRAINING:
+            return None
         try:
-            parse_progress(list(self.store.read(progress_ref)))
+            return self._progress(state)
         except UnsupportedSchema as error:
             raise UnsupportedSchema(f"progress_ref of consumer {TRAINING!r}: {error}") from None
 
     def _rewind(
-        self, consumer_id: str, state: Mapping[str, Any]
+        self, progress: Acknowledged | None
     ) -> tuple[tuple[int, frozenset[int]] | None, frozenset[int], set[str]]:
         """A training state that acknowledges less than was released (a checkpoint restored)
         takes that history back: each result must still be readable (verified here, without
         the lock), and its packs are owned again before the journal names the state (G6).
 
-        Returns what the state acknowledges, the positions verified and their packs.
+        ``progress`` is what a training state acknowledges (None for other consumers).
+        Returns that, the positions verified and their packs.
         """
-        if consumer_id != TRAINING or not self._query(self._state.has_released):
+        if progress is None or not self._query(self._state.has_released):
             return None, frozenset(), set()  # nothing was released: nothing to take back
-        progress = self._progress(state)
         acked = (progress.cursor, progress.positions)
         back = self._query(lambda: self._state.reowned_by(acked))
         if not back:
@@ -1008,10 +1008,9 @@ class Coordinator:
         _required_ref(ready_ref, "ready_ref")
         _required_ref(state_ref, "state_ref")
         packs, adopted = self._verify_inputs([ready_ref, state_ref, progress_ref])
-        self._check_progress(consumer_id, progress_ref)
         state = self._consumer_state(state_ref, fetch_cursor, processed_cursor, progress_ref)
         ready = as_dict(ready_ref)
-        acked, verified, history = self._rewind(consumer_id, state)
+        acked, verified, history = self._rewind(self._check_progress(consumer_id, state))
         return dict(
             self._commit(
                 lambda: self._state.check_batch_ready(

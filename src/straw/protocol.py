@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from .errors import CorruptData, InvalidReference
+from .errors import CorruptData, InvalidReference, ResourceLimitExceeded
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -175,6 +175,23 @@ def as_dict(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- field checks
+
+
+def check_text(value: object, what: str, limit: int) -> str:
+    """A name argument (an id, a codec name): a non-empty string UTF-8 can encode (no lone
+    surrogates), at most ``limit`` bytes. The one check the store and the queue share."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}"[:300])
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} is not valid Unicode text (a lone surrogate at character {error.start}); "
+            "names are stored as UTF-8"
+        ) from None
+    if size > limit:
+        raise ResourceLimitExceeded(f"{what} is longer than {limit} bytes ({size} in UTF-8)")
+    return value
 
 
 def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:

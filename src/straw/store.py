@@ -67,6 +67,7 @@ from .protocol import (
     RecordSetRef,
     SegmentRef,
     as_dict,
+    check_text,
     decode,
     digest,
     encode,
@@ -490,20 +491,6 @@ def _check_root(root: object) -> None:
         raise ValueError(f"root must name the pool's directory, got {text!r}")
 
 
-def _check_text(value: object, what: str, limit: int) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}"[:300])
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"{what} is not valid Unicode text (a lone surrogate at character {error.start})"
-        ) from None
-    if size > limit:
-        raise ResourceLimitExceeded(f"{what} is longer than {limit} bytes")
-    return value
-
-
 @dataclass
 class Adoption:
     """Publications a durable owner (a queue) took over: their writer's staging of them ends.
@@ -542,7 +529,7 @@ class SharedFilesystemStore:
         segment_target_bytes: int = SEGMENT_TARGET_BYTES_DEFAULT,
         online_gc: bool = False,
     ) -> None:
-        self.run_id = _check_text(run_id, "run_id", RUN_ID_BYTES_MAX)
+        self.run_id = check_text(run_id, "run_id", RUN_ID_BYTES_MAX)
         _check_root(root)
         if backend is None:
             backend = FilesystemBackend(root)
@@ -611,7 +598,7 @@ class SharedFilesystemStore:
             raise TypeError("codecs must be a sequence of codec names, not one string")
         names = tuple(codecs)
         for name in names:
-            _check_text(name, "codec name", CODEC_NAME_BYTES_MAX)
+            check_text(name, "codec name", CODEC_NAME_BYTES_MAX)
             if "pickle" in name.lower():
                 raise UnsupportedSchema(f"codec {name!r}: straw never stores or loads pickle")
             if name.startswith("straw."):
@@ -682,7 +669,7 @@ class SharedFilesystemStore:
 
     def write_records(self, records: Iterable[Record], *, submission_id: str) -> tuple[RecordRef, ...]:
         """Durably write records without a manifest; combine them later with :meth:`record_set`."""
-        _check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
+        check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
         entries = [self._entry(r) for r in records]
         self._check_count(len(entries))
         fingerprint = logical_digest(entries, [])
@@ -696,7 +683,7 @@ class SharedFilesystemStore:
         self, refs: Iterable[RecordRef], *, submission_id: str, dependencies: Iterable[RecordSetRef] = ()
     ) -> RecordSetRef:
         """Publish a manifest over records already written (same digest as publishing them directly)."""
-        _check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
+        check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
         session = self._session()
         located = [session.locate(r) for r in refs]
         self._check_count(len(located))
@@ -734,7 +721,7 @@ class SharedFilesystemStore:
         """Check one record against every limit and hash it; nothing is written yet."""
         if not isinstance(record, Record):
             raise TypeError(f"expected a straw Record, got {type(record).__name__}")
-        record_id = _check_text(record.record_id, "record_id", RECORD_ID_BYTES_MAX)
+        record_id = check_text(record.record_id, "record_id", RECORD_ID_BYTES_MAX)
         if record.codec not in self.codecs:
             raise UnsupportedSchema(
                 f"record {record_id!r}: codec {record.codec!r} is not registered with this store "
@@ -780,7 +767,7 @@ class SharedFilesystemStore:
         return out
 
     def _publish(self, kind: str, publications: list[Publication], submission_id: str) -> list[RecordSetRef]:
-        _check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
+        check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
         entries: list[Entry] = []
         sets: list[tuple[int, str, int, int, int]] = []  # manifest ordinal, digest, records, bytes, tokens
         for number, publication in enumerate(publications):
@@ -1084,7 +1071,7 @@ class SharedFilesystemStore:
 
     @staticmethod
     def _check_owner(owner: str) -> str:
-        _check_text(owner, "owner", SUBMISSION_ID_BYTES_MAX)
+        check_text(owner, "owner", SUBMISSION_ID_BYTES_MAX)
         if owner.startswith(RESERVED_PREFIXES):
             raise ValueError(
                 f"owner {owner!r}: names starting with {', '.join(RESERVED_PREFIXES)} are straw's own; "

@@ -35,15 +35,23 @@ class CatalogView:
 
 
 @contextlib.contextmanager
-def catalog_lock(root: str, *, create: bool = False) -> Iterator[None]:
-    """Hold ``catalog/LOCK`` (G1) when it exists (or ``create``); a pool without one has no catalog."""
+def catalog_lock(root: str, *, create: bool = False, required: bool = False) -> Iterator[None]:
+    """Hold ``catalog/LOCK`` (G1) when it exists (or ``create``); a pool without one has no catalog.
+
+    ``required`` is for a repair that writes the catalog: its directory is made, and a lock
+    that cannot be taken is an error, never a write without it.
+    """
     path = os.path.join(root, CATALOG_DIR, LOCK_FILE)
-    if not create and not posix.exists(path):
+    if required:
+        durable.make_dirs(os.path.join(root, CATALOG_DIR), root, posix.sync_dir)
+    elif not create and not posix.exists(path):
         yield
         return
     try:
         fd = lock.open_lock_file(path)
     except OSError:
+        if required:
+            raise
         yield  # a read-only mount: read without the lock (a live appender's tail may look torn)
         return
     try:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .._catalog.collect import queue_directories
-from .._catalog.log import CATALOG_DIR, LOCK_FILE, LOG_FILE, SNAPSHOT_FILE, TAG, Catalog, load_catalog
+from .._catalog.log import CATALOG_DIR, LOG_FILE, SNAPSHOT_FILE, TAG, Catalog, load_catalog
 from .._catalog.state import RESERVED_PREFIXES
 from .._fs import durable, lock, posix
 from .._journal import frame
@@ -33,6 +33,7 @@ from ..coordinator import LOCK_FILE as QUEUE_LOCK
 from ..errors import QueueError
 from ..limits import CATALOG_PREALLOC_BYTES, SUBMISSION_ID_BYTES_MAX
 from ..protocol import encode
+from .catalog_view import catalog_lock
 from .gather import Pool, gather
 from .layout import LIVE_FILE
 
@@ -132,7 +133,7 @@ def rebuild_catalog(root: str, owners: Sequence[str]) -> Rebuilt:
             packs = sorted(p for p in (roots.packs if roots is not None else set()) if p in pool.on_disk)
             queues[owner] = len(packs)
             events.append({"op": "retain", "owner": owner, "packs": packs})
-        with _catalog_locked(root):
+        with catalog_lock(root, required=True):
             seen = (pool.catalog.frames, pool.catalog.log_bytes, pool.catalog.snapshot_bytes)
             again = load_catalog(os.path.join(root, CATALOG_DIR))
             if (again.frames, again.size, again.snapshot_bytes) != seen:
@@ -140,18 +141,6 @@ def rebuild_catalog(root: str, owners: Sequence[str]) -> Rebuilt:
             kept = _set_aside(root)
             _write_log(root, events)
     return Rebuilt(len(on_disk), names, queues, kept)
-
-
-@contextlib.contextmanager
-def _catalog_locked(root: str) -> Iterator[None]:
-    durable.make_dirs(os.path.join(root, CATALOG_DIR), root, posix.sync_dir)
-    fd = lock.open_lock_file(os.path.join(root, CATALOG_DIR, LOCK_FILE))
-    try:
-        lock.lock_exclusive(fd)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            lock.unlock(fd)
 
 
 def _lost_owners(pool: Pool) -> bool:

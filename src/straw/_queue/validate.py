@@ -20,7 +20,7 @@ from ..limits import (
     PRODUCER_STATE_BYTES_MAX,
     QUEUE_ID_BYTES_MAX,
 )
-from ..protocol import Lease, encode
+from ..protocol import Lease, check_text, encode
 
 #: Keys an update of ``yield_tasks`` may carry (API.md section 7).
 YIELD_KEYS = frozenset({"lease", "input_ref", "priority", "scheduling_key", "metadata"})
@@ -29,19 +29,8 @@ PROGRESS_KEYS = frozenset({"lease", "input_ref"})
 
 
 def text(value: object, what: str, limit: int = QUEUE_ID_BYTES_MAX) -> str:
-    """A non-empty string that UTF-8 can encode (no lone surrogates), at most ``limit`` bytes."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}"[:300])
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"{what} is not valid Unicode text (a lone surrogate at character {error.start}); "
-            "ids are stored as UTF-8"
-        ) from None
-    if size > limit:
-        raise ResourceLimitExceeded(f"{what} is {size} bytes in UTF-8, longer than {limit}")
-    return value
+    """An id argument of the queue (at most QUEUE_ID_BYTES_MAX bytes unless told)."""
+    return check_text(value, what, limit)
 
 
 def optional_text(value: object, what: str) -> str | None:

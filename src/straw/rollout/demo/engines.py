@@ -29,6 +29,7 @@ from typing import Any
 from ..refs import DiskPayloadRef
 from ..sample import Sample, SampleStatus
 from . import task
+from .simulated import wait_unless_set
 
 __all__ = ["CopyEngine", "LoggedReward", "SyncedGenerator", "WeightBoard"]
 
@@ -185,7 +186,7 @@ class CopyEngine:
             target = task.target_tokens(str(sample.label))[: self.max_new_tokens]
             new: list[int] = []
             while sample.response_length + len(new) < len(target):
-                if aborted.is_set() or await _wait(aborted, self.token_seconds):
+                if aborted.is_set() or await wait_unless_set(aborted, self.token_seconds):
                     break
                 position = sample.response_length + len(new)
                 new.append(_token(target[position], sample.index or 0, position))
@@ -231,14 +232,3 @@ def _token(right: int, index: int, position: int) -> int:
     if (index * 7 + position * 3) % 4 == 0 and right < task.DIGITS:
         return (right + 1) % task.DIGITS
     return right
-
-
-async def _wait(event: asyncio.Event, seconds: float) -> bool:
-    """Wait up to ``seconds`` (an asyncio timer) unless ``event`` is set first; True if it was."""
-    if seconds <= 0:
-        return event.is_set()
-    try:
-        await asyncio.wait_for(event.wait(), seconds)
-    except asyncio.TimeoutError:
-        return False
-    return True

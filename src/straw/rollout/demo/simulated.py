@@ -116,10 +116,10 @@ class SimulatedEngine:
         have = min((s.response_length for s in todo), default=self.response_length)
         duration = self.latency * max(0.0, 1.0 - have / self.response_length)
         started = loop.time()
-        was_aborted = aborted.is_set() or await _wait(aborted, duration)
+        was_aborted = aborted.is_set() or await wait_unless_set(aborted, duration)
         elapsed = min(loop.time() - started, duration)
         if was_aborted and self.abort_latency:
-            await _wait(asyncio.Event(), self.abort_latency)  # the engine's own abort latency
+            await wait_unless_set(asyncio.Event(), self.abort_latency)  # the engine's own abort latency
         fraction = 1.0 if not was_aborted else (elapsed / duration if duration > 0 else 0.0)
         for sample in todo:
             self._advance(sample, fraction, was_aborted, weight_version)
@@ -160,7 +160,7 @@ def _token(sample: Sample, position: int) -> int:
     return ((sample.index or 0) * 31 + position * 7) % _VOCAB
 
 
-async def _wait(event: asyncio.Event, seconds: float) -> bool:
+async def wait_unless_set(event: asyncio.Event, seconds: float) -> bool:
     """Wait up to ``seconds`` (an asyncio timer) unless ``event`` is set first; True if it was."""
     if seconds <= 0:
         return event.is_set()
