@@ -445,7 +445,7 @@ class Coordinator:
 
     def _durable_view(self) -> None:
         """After a journal failure (lock held): views answer the durable state, not calls that were
-        applied in memory but never made durable (J3). Read from disk once; nothing is written."""
+        applied in memory but never made durable (J3.2). Read from disk once; nothing is written."""
         if self._viewing_durable:
             return
         reader = Journal(
