@@ -1131,20 +1131,35 @@ class SharedFilesystemStore:
             catalog.append(self._take_deferred(catalog))
 
     def _reach_live(self, refs: Iterable[RecordSetRef | RecordRef]) -> set[str]:
-        """``reach``, but data already collected is named as such (not as "not visible")."""
+        """``reach``, but data already collected is named as such (not as "not visible").
+
+        Only a message: the decision is ``_own``'s, under the lock (G3, I15). Tombstones are
+        never withdrawn, so this process's view of the catalog names a collected pack without
+        a locked section of its own; a view that never caught up catches up first, and a
+        reach that fails asks the caught-up catalog before it reports the failure.
+        """
         items = list(refs)
         for ref in items:
             if not isinstance(ref, (RecordSetRef, RecordRef)):
                 raise TypeError(f"expected a RecordSetRef or RecordRef, got {type(ref).__name__}")
         direct = {r.manifest.segment.path if isinstance(r, RecordSetRef) else r.segment.path for r in items}
-        self._flush_deferred()
-        with self._catalog.locked() as catalog:
-            gone = sorted(direct & catalog.state.tombstones)
+        self._refuse_collected(direct, catch_up=not self._catalog.end)
+        try:
+            return self.reach(items)
+        except QueueError:
+            self._refuse_collected(direct, catch_up=True)
+            raise
+
+    def _refuse_collected(self, packs: set[str], *, catch_up: bool) -> None:
+        if catch_up:
+            with self._catalog.locked() as catalog:
+                gone = sorted(packs & catalog.state.tombstones)
+        else:
+            gone = sorted(packs & self._catalog.state.tombstones)
         if gone:
             raise InvalidReference(
                 f"cannot retain {gone[0]}: it was garbage-collected (reclaimed); republish the data"
             )
-        return self.reach(items)
 
     def retain(self, owner: str, refs: Iterable[RecordSetRef | RecordRef]) -> None:
         """Make ``owner`` the (only) reason to keep exactly what ``refs`` reach; replaces its roots."""

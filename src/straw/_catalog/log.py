@@ -54,6 +54,8 @@ class Catalog:
         self._held = False
         self._size = 0  # the log file's size: frames, then zeros written ahead (J7)
         self._tail = b""  # the last bytes before _offset, as this view read or wrote them
+        self._header = b""  # the log's segment header as this view last verified it
+        self._fd = -1  # the log, opened by this section's catch-up (G2) for its append (G3)
         self.metrics = {"appends": 0, "syncs": 0, "frames_read": 0, "compactions": 0}
 
     # -- the exclusive section (G1) ---------------------------------------------------
@@ -84,7 +86,13 @@ class Catalog:
                 raise posix.storage_error(error, f"updating the catalog in {self.directory}") from error
             finally:
                 self._held = False
+                self._drop_fd()
                 lock.unlock_only(self._lock_fd)
+
+    def _drop_fd(self) -> None:
+        if self._fd >= 0:
+            posix.close_quietly(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         with self._mutex:
@@ -101,6 +109,8 @@ class Catalog:
         self._skip_until = 0
         self._size = 0
         self._tail = b""
+        self._header = b""
+        self._drop_fd()
 
     def _catch_up(self) -> None:
         """Apply every frame appended since this process last looked; zero a torn tail (G2).
@@ -108,16 +118,22 @@ class Catalog:
         The log starts with a segment header naming its first sequence number. When
         that changes, another client compacted the catalog (G7): this view reloads
         from the snapshot and the new log, with the loader ``straw check`` uses.
+
+        The descriptor stays open for this section's append (G3): under the lock nobody
+        else replaces the log, so the file read is the file appended to.
         """
         try:
-            fd = posix.open_read(self.path)
+            fd = posix.open_update(self.path)
         except FileNotFoundError:
             self._missing()
             return
+        keep = False
         try:
             size = posix.fstat_size(fd)
-            header = posix.pread_exact(fd, frame.SEGMENT_HEADER_BYTES, 0)
-            first = _first_seq(header) if len(header) == frame.SEGMENT_HEADER_BYTES else -1
+            header = bytes(posix.pread_exact(fd, frame.SEGMENT_HEADER_BYTES, 0))
+            # A header this view verified before is the same header; any other is decoded.
+            same = bool(self._header) and header == self._header
+            first = self._log_first if same else _first_seq(header)
             data: bytes | bytearray | memoryview | None = None
             if self._offset and first == self._log_first and size >= self._offset:
                 # The bytes just before this view's end must still be the ones it read: a log
@@ -128,11 +144,14 @@ class Catalog:
                     data = None
                 else:
                     data = memoryview(data)[back:]
+                    keep = True
         finally:
-            posix.close_quietly(fd)
+            if not keep:
+                posix.close_quietly(fd)
         if data is None:
             self._reload()
             return
+        self._fd, self._header = fd, header
         position = scan.Position(self._seq, self._chain, 0)
         try:
             end = scan.walk(data, position, self._visit, newest=True)
@@ -207,6 +226,7 @@ class Catalog:
         A crash between the two replacements leaves the new snapshot with the old
         log, whose frames up to the snapshot are skipped on load.
         """
+        self._drop_fd()  # the file this section read is about to be replaced
         seq, chain = self._seq, self._chain
         body = encode(self.state.to_dict())
         header = frame.encode_segment_header(frame.SNAPSHOT_MAGIC, seq, chain, TAG)
@@ -244,7 +264,8 @@ class Catalog:
         body = encode({"events": list(events)})
         header, chain = frame.encode_frame(self._seq + 1, self._chain, body, self._seq)
         end = self._offset + len(header) + len(body)
-        fd = posix.open_append(self.path)
+        opened = self._fd < 0
+        fd = posix.open_append(self.path) if opened else self._fd
         try:
             if end + CATALOG_PREALLOC_BYTES // 2 > self._size:
                 # J7: zeros ahead of the frame, durable before it, so the log ends in zeros
@@ -266,10 +287,11 @@ class Catalog:
             with contextlib.suppress(OSError):
                 posix.pwrite_all(fd, [bytes(end - self._offset)], self._offset)
                 self.backend.sync_file(fd)
-            self._reset()
+            self._reset()  # closes the section's descriptor too
             raise
         finally:
-            posix.close_quietly(fd)
+            if opened:
+                posix.close_quietly(fd)
         self._offset += written
         self._seq += 1
         self._chain = chain

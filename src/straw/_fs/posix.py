@@ -49,6 +49,11 @@ def open_append(path: str) -> int:
     return _system.current.open(path, os.O_WRONLY | _O_CLOEXEC)
 
 
+def open_update(path: str) -> int:
+    """Open an existing file to read and write (a log read, then appended to, under its lock)."""
+    return _system.current.open(path, os.O_RDWR | _O_CLOEXEC)
+
+
 def close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         _system.current.close(fd)

@@ -52,6 +52,14 @@ def next_chain(previous: bytes, body_digest: bytes) -> bytes:
     return xxhash.xxh3_128_digest(previous + body_digest)
 
 
+def all_zero(data: bytes | bytearray | memoryview) -> bool:
+    """Whether every byte is zero (an empty buffer is). A log's zero tail is checked on every
+    catch-up and append (J7); a memcmp against fresh zeros is some 50x faster than
+    ``bytes.strip(b"\\0")``, which tests each byte against the strip set."""
+    flat = data if type(data) is bytes else bytes(data)
+    return flat == bytes(len(flat))
+
+
 # --------------------------------------------------------------------------- segment header
 
 
@@ -124,6 +132,7 @@ class Verdict:
     decision: Decision
     reason: str
     frame: Frame | None = None
+    zeros: bool = False  # every byte from the position on is zero (the clean end of J7)
 
 
 def classify(
@@ -142,8 +151,10 @@ def classify(
     head = bytes(view[: _FRAME.size])
     magic, version, _, seq, length, chain, body_digest = _FRAME.unpack(head)
     if magic != FRAME_MAGIC or xxhash.xxh3_64_digest(head) != bytes(view[_FRAME.size : FRAME_HEADER_BYTES]):
-        if not view.tobytes().strip(b"\x00"):
-            return Verdict(Decision.TORN, f"{remaining} zero bytes after the last frame (unwritten tail)")
+        if all_zero(view):
+            return Verdict(
+                Decision.TORN, f"{remaining} zero bytes after the last frame (unwritten tail)", zeros=True
+            )
         return _damaged(view, expected_seq, f"damaged frame header at offset {at}")
     if version != JOURNAL_VERSION:
         raise UnsupportedSchema(f"journal frame version {version} is not supported")

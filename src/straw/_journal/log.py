@@ -197,7 +197,7 @@ class Journal:
             # would let a crash in between leave the previous segment as the newest, cut at its
             # last frame (J7), which recovery then refuses.
             data = self._read_file(path)
-            invariant(not data[frame.SEGMENT_HEADER_BYTES :].strip(b"\0"), "only an empty segment is reused")
+            invariant(frame.all_zero(data[frame.SEGMENT_HEADER_BYTES :]), "only an empty segment is reused")
             if data[: frame.SEGMENT_HEADER_BYTES] != header or len(data) < allocated // 2:
                 durable.replace_file(
                     path,

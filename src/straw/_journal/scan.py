@@ -85,7 +85,7 @@ def _end(data: bytes | bytearray | memoryview, at: int, verdict: frame.Verdict, 
     if verdict.decision is frame.Decision.CORRUPT:
         return LogEnd(CORRUPT, at, verdict.reason)
     rest = len(data) - at
-    if newest and (rest < LOG_END_ZEROS_MIN or bytes(data[len(data) - LOG_END_ZEROS_MIN :]).strip(b"\0")):
+    if newest and (rest < LOG_END_ZEROS_MIN or not frame.all_zero(data[len(data) - LOG_END_ZEROS_MIN :])):
         what = "a frame boundary" if verdict.decision is frame.Decision.END else "the middle of a frame"
         return LogEnd(
             CUT,
@@ -96,7 +96,7 @@ def _end(data: bytes | bytearray | memoryview, at: int, verdict: frame.Verdict, 
         )
     if verdict.decision is frame.Decision.END:
         return LogEnd(END, at, "end of file")
-    if not bytes(data[at:]).strip(b"\0"):
+    if verdict.zeros or frame.all_zero(data[at:]):
         return LogEnd(ZEROS, at, f"{rest} zero bytes after the last frame")
     return LogEnd(TORN, at, verdict.reason)
 
