@@ -9,6 +9,7 @@ calls the test ``fault(phase)`` hook at the named phases of docs/DURABILITY.md.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -89,6 +90,7 @@ class FilesystemBackend:
         visibility_delays: Sequence[float] = VISIBILITY_RETRY_DELAYS,
     ) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
+        self._root_text = str(self.root)  # the hot path joins text, not Path objects
         self.profile = profile
         self.declaration = _check_declaration(profile, declaration)
         self._fault = fault
@@ -140,12 +142,30 @@ class FilesystemBackend:
         parts = relative.split("/")
         if any(part in ("", ".", "..") for part in parts):
             raise InvalidReference(f"unsafe path {relative!r}: empty, '.' or '..' component")
-        full = os.path.join(self.root, relative)
+        full = os.path.join(self._root_text, relative)
+        if self._no_link_inside(parts):
+            return full  # then the real path is the pool's real root joined with ``relative``
         real = os.path.realpath(full)
         base = self.real_root()
         if real != full and not real.startswith(base + os.sep):
             raise InvalidReference(f"unsafe path {relative!r}: a symlink leads outside the pool")
         return full
+
+    def _no_link_inside(self, parts: list[str]) -> bool:
+        """Whether no existing component of the path below the root is a symlink: only such a
+        link can lead outside the pool, so ``realpath`` (which also walks the root's own
+        components, on every call) is needed only when one is found."""
+        path = self._root_text
+        for part in parts:
+            path = os.path.join(path, part)
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    return False
+            except FileNotFoundError:
+                return True  # nothing below a missing component exists, links included
+            except OSError:
+                return False  # let realpath decide, as before
+        return True
 
     def real_root(self) -> str:
         if self._real_root is None:
