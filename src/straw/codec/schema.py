@@ -505,7 +505,7 @@ class _Encoder:
         cls = self.named(type(value))
         self.enter(value, depth)
         names, known, edge = self.layout(type(value), cls)
-        fields = []
+        fields: list[list[Any]] = []
         missing = object()
         simple = _SIMPLE_TYPES
         for name in names:
@@ -524,7 +524,7 @@ class _Encoder:
             else:
                 leaf = _leaf(item)
                 fields.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
-        extra = []
+        extra: list[list[Any]] = []
         for name, item in getattr(value, "__dict__", {}).items():
             if name not in known:
                 leaf = _leaf(item)
@@ -808,8 +808,7 @@ def _defaults(cls: type) -> tuple[tuple[str, Any, Any], ...]:
     found = _DEFAULTS.get(cls)
     if found is None:  # a class's fields never change once it is made
         found = _DEFAULTS[cls] = tuple(
-            (f.name, f.default, f.default_factory)
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            (f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)
         )
     return found
 
