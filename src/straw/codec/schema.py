@@ -626,9 +626,14 @@ def decode_sample(
     (and of a list value, only some elements, in the order given), so the parts and
     dependencies of everything else are never asked for. ``root_fields`` names, per
     dataclass type, a field set to ``decoder.root`` after the rebuild (a mount hint).
+    A non-finite number among the nodes it reads is ``CorruptData`` (a document parsed by
+    ``straw.codec.payload.decode_document`` turns a number that overflows into one), so no
+    value it returns holds one that the document did not tag as such.
     """
     if not isinstance(document, dict) or "v" not in document or "root" not in document:
         raise CorruptData("a sample document is an object with 'v' and 'root'")
+    if isinstance(document["v"], float) and not math.isfinite(document["v"]):
+        raise CorruptData("sample document holds a number too large for a float")
     if document["v"] != SCHEMA_VERSION:
         raise UnsupportedSchema(
             f"sample schema version {document['v']!r} is not supported (this straw reads {SCHEMA_VERSION})"
@@ -711,10 +716,14 @@ class _Reader:
     def node(self, node: Any, depth: int) -> Any:
         if depth > NESTING_DEPTH_MAX:
             raise CorruptData(f"sample document nests deeper than {NESTING_DEPTH_MAX} levels")
-        if node is None or isinstance(node, (bool, int, float, str)):
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if isinstance(node, float):
+            if not math.isfinite(node):  # a JSON number that overflowed (payload.decode_document)
+                raise CorruptData("sample document holds a number too large for a float")
             return node
         if isinstance(node, list):
-            if _plain(node):  # token ids, log-probs: JSON scalars decode to themselves
+            if _plain(node):  # token ids, log-probs: JSON scalars (finite numbers) decode to themselves
                 return node
             return [self.node(item, depth + 1) for item in node]
         if not isinstance(node, dict):
@@ -798,8 +807,8 @@ def _enum(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         raise UnsupportedSchema(f"enum {node['cls']} has no member with value {value!r}") from None
 
 
-#: JSON scalars: a field holding one decodes to itself (no call per field).
-_JSON_SCALARS = frozenset({type(None), bool, int, float, str})
+#: JSON scalars a field decodes to without a call per field (a float is checked finite by node()).
+_JSON_SCALARS = frozenset({type(None), bool, int, str})
 #: Per dataclass: its fields' (name, default, default factory), in declaration order.
 _DEFAULTS: dict[type, tuple[tuple[str, Any, Any], ...]] = {}
 
@@ -831,7 +840,6 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         key, value = pair
         if type(key) is not str:
             raise TypeError(f"expected a string, got {type(key).__name__}")
-        # A float node is a finite JSON number here: NaN and infinities are {"t": "float"} nodes.
         item = value if type(value) in scalars else reader.node(value, depth)
         try:
             object.__setattr__(obj, key, item)
