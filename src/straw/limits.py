@@ -94,6 +94,10 @@ IOVEC_COUNT_MAX = 1024
 #: Open pack file descriptors one reader keeps cached.
 OPEN_PACKS_MAX = 64
 
+#: Record sets a read session remembers having verified (each verified once per session;
+#: an entry holds the set's located index entries, which the index cache shares).
+RECORD_SETS_CACHED_MAX = 4096
+
 #: Delays (seconds) between attempts to open a file that is not yet visible
 #: (a shared mount's metadata can lag by a moment). The sum, ~4 s, bounds how
 #: long a read waits before raising StorageUnavailable.

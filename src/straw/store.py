@@ -54,6 +54,7 @@ from .limits import (
     METADATA_BYTES_MAX,
     RECORD_BYTES_MAX,
     RECORD_ID_BYTES_MAX,
+    RECORD_SETS_CACHED_MAX,
     RECORDS_PER_WRITE_MAX,
     SEGMENT_TARGET_BYTES_DEFAULT,
     SUBMISSION_ID_BYTES_MAX,
@@ -131,6 +132,8 @@ class ReadSession:
         self._reader = PackReader(backend, run_id, shared=shared)
         self._pid = os.getpid()
         self._closed = False
+        # Record sets this session verified, by their exact reference (see ``resolve``).
+        self._resolved: OrderedDict[RecordSetRef, _Resolved] = OrderedDict()
 
     @property
     def forked(self) -> bool:
@@ -152,6 +155,7 @@ class ReadSession:
         if os.getpid() != self._pid:
             self._usable()  # a child closing its parent's descriptors would hurt the parent
         self._closed = True
+        self._resolved.clear()
         self._reader.close()
 
     @property
@@ -190,10 +194,31 @@ class ReadSession:
         return _Located(ref.segment, ordinal, index.entries[ordinal], index.chunk_bytes)
 
     def resolve(self, ref: RecordSetRef) -> _Resolved:
-        """Verify a record set reference down to its records' index entries."""
+        """Verify a record set reference down to its records' index entries.
+
+        A set verified before in this session is answered from memory (docs/FORMAT.md section
+        5, "Verified record sets"): the key is the whole reference, so a reference differing
+        in any field (a forged or stale digest, another extent, other counts) is verified
+        afresh; and the manifest's extent is located again first, which re-checks the
+        reference's segment and ordinal and re-reads its index frame when that fell out of
+        the index cache. Packs are immutable once written (I1), so what was verified stays
+        true of those bytes; payload bytes are still verified on every read.
+        """
         self._usable()
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
+        known = self._resolved.get(ref)
+        if known is not None:
+            self.locate(ref.manifest)
+            self._resolved.move_to_end(ref)
+            return known
+        resolved = self._verify(ref)
+        self._resolved[ref] = resolved
+        while len(self._resolved) > RECORD_SETS_CACHED_MAX:
+            self._resolved.popitem(last=False)
+        return resolved
+
+    def _verify(self, ref: RecordSetRef) -> _Resolved:
         top = self.locate(ref.manifest)
         if top.entry.codec != frame.MANIFEST_CODEC:
             raise InvalidReference(f"record {top.entry.record_id!r} is not a manifest")

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+import straw.rollout.reader as reader_module
 from rollout_helpers import finish, group_indices, interrupt, prompt_rows
-from straw.errors import LeaseExpired
+from straw.errors import CorruptData, LeaseExpired
 from straw.protocol import Lease, RecordSetRef, TaskSpec
 from straw.rollout.config import RolloutConfig
 from straw.rollout.controller import QueueController
@@ -64,6 +65,47 @@ def test_many_groups_are_taken_in_chunks(open_controller: OpenController, open_r
     controller = open_controller()
     groups = open_reader(controller).get_samples(130)
     assert group_indices(groups) == list(range(130))
+
+
+def test_inputs_load_through_one_read_session_closed_with_the_reader(
+    open_controller: OpenController, open_reader: OpenReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[Any] = []
+    original = reader_module.open_reader
+
+    def counted(root: Any, run_id: str) -> Any:
+        opened.append(original(root, run_id))
+        return opened[-1]
+
+    monkeypatch.setattr(reader_module, "open_reader", counted)
+    controller = open_controller()
+    reader = open_reader(controller)
+    assert group_indices(reader.get_samples(2) + reader.get_samples(3)) == [0, 1, 2, 3, 4]
+    assert len(opened) == 1  # index frames and verified inputs are reused from take to take
+    reader.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        opened[0].resolve(RecordSetRef.from_dict(controller.status("prompt:0")["spec"]["input_ref"]))
+    with pytest.raises(RuntimeError, match="closed"):
+        reader.get_samples(1)
+
+
+def test_a_damaged_input_is_refused_through_the_reused_session(
+    open_controller: OpenController, open_reader: OpenReader, pool: Path
+) -> None:
+    controller = open_controller()
+    reader = open_reader(controller)
+    reader.get_samples(1)  # the session now holds verified frames of the prompt pack
+    ref = RecordSetRef.from_dict(controller.status("prompt:1")["spec"]["input_ref"])
+    path = pool / ref.manifest.segment.path
+    data = bytearray(path.read_bytes())
+    document = None
+    with rollout_store(controller.config).store.read_session() as session:
+        document = session.resolve(ref).records[0].entry
+    data[document.offset + 2] ^= 0x01  # a byte of group 1's sample document
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptData):
+        reader.get_samples(1)
+    assert reader.leases() == [] or all(lease.task_id != "prompt:1" for lease in reader.leases())
 
 
 # --------------------------------------------------------------------------- scenario 19

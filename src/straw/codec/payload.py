@@ -9,6 +9,7 @@ PayloadRefs it nests. Layout and grammar: docs/FORMAT.md section 10.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, InvalidReference, UnsupportedSchema
-from ..protocol import Publication, Record, RecordSetRef, decode, encode
+from ..protocol import Publication, Record, RecordSetRef, encode
 from ..store import ReadSession, SharedFilesystemStore
 from ..tensor import TENSOR_CODEC, TensorRef, attach, is_torch_tensor, naming, reader_for, tensor_record
 from .schema import Decoder, Selection, allowed_classes, check_selection, decode_sample, encode_sample
@@ -104,9 +105,28 @@ class PayloadRef:
                 if codec.startswith("sample."):
                     raise UnsupportedSchema(f"{what} has codec {codec!r}; this straw reads {SAMPLE_CODEC}")
                 raise NotASample(f"{what} is not a sample publication (its first record is {codec!r})")
-            document = decode(session.read_record(head.ref()).payload)
+            document = decode_document(session.read_record(head.ref()).payload)
             decoder = _StoreDecoder(session, self.ref, resolved, materialize)
             return decode_sample(document, decoder, classes=allowed, select=select, root_fields=root_fields)
+
+
+def decode_document(data: bytes | bytearray | memoryview) -> Any:
+    """The parsed JSON of a sample document, for :func:`decode_sample` only.
+
+    Unlike :func:`straw.protocol.decode` it parses numbers with the C float parser instead of
+    checking each through a Python callback (a sample's log-probs are thousands of floats):
+    a number too large for a float becomes an infinity here, and ``decode_sample`` refuses
+    every non-finite number it meets (``CorruptData``), as the canonical decoder would.
+    Invalid JSON or UTF-8, and the NaN and Infinity literals, are ``CorruptData`` at once.
+    """
+    try:
+        return json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError included
+        raise CorruptData(f"invalid canonical JSON: {error}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise CorruptData(f"canonical JSON never contains {name}")
 
 
 def _check_materialize(materialize: object) -> Materialize:

@@ -233,6 +233,8 @@ def unknown_class(name: str) -> UnknownClass:
 
 
 _PLAIN_TYPES = frozenset({type(None), bool, int, str})
+#: Values that are their own node (``_leaf`` of them is themselves).
+_SIMPLE_TYPES = _PLAIN_TYPES
 _SUMMABLE = frozenset({bool, int, float})
 
 
@@ -302,7 +304,7 @@ class _Encoder:
         self.parts: list[Part] = []
         self.dependencies: list[Any] = []
         self.dependency_index: dict[Any, int] = {}
-        self.field_names: dict[type, list[str]] = {}  # per dataclass type (every sample shares one)
+        self.field_names: dict[type, tuple[list[str], frozenset[str], str | None]] = {}  # see layout()
 
     def where(self) -> str:
         return "".join(self.path)
@@ -480,24 +482,32 @@ class _Encoder:
             )
         return name
 
-    def dependency_field(self, value: Any) -> str | None:
-        for cls in type(value).__mro__:
+    def dependency_field(self, kind: type) -> str | None:
+        for cls in kind.__mro__:
             found = self.dependency_fields.get(cls)
             if found is not None:
                 return found
         return None
 
+    def layout(self, kind: type, cls: str) -> tuple[list[str], frozenset[str], str | None]:
+        """A dataclass type's field names (in order, and as a set) and its dependency field;
+        worked out once per type and call (every sample of a publication shares one)."""
+        found = self.field_names.get(kind)
+        if found is None:
+            names = [f.name for f in dataclasses.fields(kind)]
+            edge = self.dependency_field(kind) if self.dependency_fields else None
+            if edge is not None and edge not in names:
+                raise ValueError(f"{self.where()}: dependency field {edge!r} is not a field of {cls}")
+            found = self.field_names[kind] = (names, frozenset(names), edge)
+        return found
+
     def dataclass(self, value: Any, depth: int) -> dict[str, Any]:
         cls = self.named(type(value))
         self.enter(value, depth)
-        names = self.field_names.get(type(value))
-        if names is None:
-            names = self.field_names[type(value)] = [f.name for f in dataclasses.fields(value)]
-        edge = self.dependency_field(value) if self.dependency_fields else None
-        if edge is not None and edge not in names:
-            raise ValueError(f"{self.where()}: dependency field {edge!r} is not a field of {cls}")
-        fields = []
+        names, known, edge = self.layout(type(value), cls)
+        fields: list[list[Any]] = []
         missing = object()
+        simple = _SIMPLE_TYPES
         for name in names:
             item = getattr(value, name, missing)
             if item is missing:  # an init=False field without a default may be unset
@@ -509,11 +519,12 @@ class _Encoder:
                         f"got {type(item).__name__}"
                     )
                 fields.append([name, {"t": "rset", "d": self.dependency(item)}])
+            elif type(item) in simple:  # most fields: their own node, as _leaf gives it
+                fields.append([name, item])
             else:
                 leaf = _leaf(item)
                 fields.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
-        known = set(names)
-        extra = []
+        extra: list[list[Any]] = []
         for name, item in getattr(value, "__dict__", {}).items():
             if name not in known:
                 leaf = _leaf(item)
@@ -615,9 +626,14 @@ def decode_sample(
     (and of a list value, only some elements, in the order given), so the parts and
     dependencies of everything else are never asked for. ``root_fields`` names, per
     dataclass type, a field set to ``decoder.root`` after the rebuild (a mount hint).
+    A non-finite number among the nodes it reads is ``CorruptData`` (a document parsed by
+    ``straw.codec.payload.decode_document`` turns a number that overflows into one), so no
+    value it returns holds one that the document did not tag as such.
     """
     if not isinstance(document, dict) or "v" not in document or "root" not in document:
         raise CorruptData("a sample document is an object with 'v' and 'root'")
+    if isinstance(document["v"], float) and not math.isfinite(document["v"]):
+        raise CorruptData("sample document holds a number too large for a float")
     if document["v"] != SCHEMA_VERSION:
         raise UnsupportedSchema(
             f"sample schema version {document['v']!r} is not supported (this straw reads {SCHEMA_VERSION})"
@@ -700,10 +716,14 @@ class _Reader:
     def node(self, node: Any, depth: int) -> Any:
         if depth > NESTING_DEPTH_MAX:
             raise CorruptData(f"sample document nests deeper than {NESTING_DEPTH_MAX} levels")
-        if node is None or isinstance(node, (bool, int, float, str)):
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if isinstance(node, float):
+            if not math.isfinite(node):  # a JSON number that overflowed (payload.decode_document)
+                raise CorruptData("sample document holds a number too large for a float")
             return node
         if isinstance(node, list):
-            if _plain(node):  # token ids, log-probs: JSON scalars decode to themselves
+            if _plain(node):  # token ids, log-probs: JSON scalars (finite numbers) decode to themselves
                 return node
             return [self.node(item, depth + 1) for item in node]
         if not isinstance(node, dict):
@@ -787,6 +807,21 @@ def _enum(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         raise UnsupportedSchema(f"enum {node['cls']} has no member with value {value!r}") from None
 
 
+#: JSON scalars a field decodes to without a call per field (a float is checked finite by node()).
+_JSON_SCALARS = frozenset({type(None), bool, int, str})
+#: Per dataclass: its fields' (name, default, default factory), in declaration order.
+_DEFAULTS: dict[type, tuple[tuple[str, Any, Any], ...]] = {}
+
+
+def _defaults(cls: type) -> tuple[tuple[str, Any, Any], ...]:
+    found = _DEFAULTS.get(cls)
+    if found is None:  # a class's fields never change once it is made
+        found = _DEFAULTS[cls] = tuple(
+            (f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)
+        )
+    return found
+
+
 def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     name = _text(node["cls"])
     cls = reader.resolve(name)
@@ -797,22 +832,29 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     except TypeError as error:
         raise UnsupportedSchema(f"cannot rebuild {name} without calling it: {error}") from None
     stored = set()
+    # (A field at the nesting limit still goes through node(), which refuses it.)
+    scalars = _JSON_SCALARS if depth <= NESTING_DEPTH_MAX else frozenset()
     for pair in _list(node["fields"]) + _list(node["attrs"]):
-        key, value = _list(pair)
+        if type(pair) is not list or len(pair) != 2:
+            raise TypeError(f"a field is a [name, node] pair, got {type(pair).__name__}")
+        key, value = pair
+        if type(key) is not str:
+            raise TypeError(f"expected a string, got {type(key).__name__}")
+        item = value if type(value) in scalars else reader.node(value, depth)
         try:
-            object.__setattr__(obj, _text(key), reader.node(value, depth))
+            object.__setattr__(obj, key, item)
         except AttributeError:
             raise UnsupportedSchema(
                 f"{name} has no attribute {key!r} (the class changed since publication)"
             ) from None
         stored.add(key)
-    for f in dataclasses.fields(cls):  # fields added to the class since publication
-        if f.name in stored:
+    for field_name, default, factory in _defaults(cls):  # fields added to the class since publication
+        if field_name in stored:
             continue
-        if f.default is not dataclasses.MISSING:
-            object.__setattr__(obj, f.name, f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            object.__setattr__(obj, f.name, f.default_factory())
+        if default is not dataclasses.MISSING:
+            object.__setattr__(obj, field_name, default)
+        elif factory is not dataclasses.MISSING:
+            object.__setattr__(obj, field_name, factory())
     return reader.rebuilt(obj)
 
 

@@ -33,6 +33,7 @@ from ..errors import (
 )
 from ..protocol import Assignment, CommitReceipt, Lease, RecordSetRef, as_dict
 from ..reporting import write_report
+from ..store import ReadSession
 from .checkpoint import rollout_dir
 from .config import RolloutConfig, resolve_pool
 from .controller import ControllerClient, QueueController
@@ -106,6 +107,10 @@ class QueueReader:
         self._clock = clock
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
+        # One read session for every input this reader loads (its verified index frames and
+        # record sets are reused from take to take); one loading thread at a time uses it.
+        self._read_lock = threading.Lock()
+        self._session: ReadSession | None = None
         self._closed = False
         self._closing = threading.Event()
         self._heartbeat_error: BaseException | None = None
@@ -225,7 +230,8 @@ class QueueReader:
             incarnation = self._incarnation_id()
             root = str(self.config.rollout_data_dir)
             groups = []
-            with open_reader(root, self.config.run_id) as session:
+            with self._read_lock:
+                session = self._reading(root)
                 for item in items:
                     if item.task.input_ref is None:
                         raise ValueError(f"prompt task {item.task.task_id} has no input")
@@ -238,6 +244,14 @@ class QueueReader:
             self._drop(leases)
             self.controller.release(leases)  # the tasks go back with their inputs, no attempt spent
             raise
+
+    def _reading(self, root: str) -> ReadSession:
+        """This reader's read session (the caller holds ``_read_lock``); a forked child opens its own."""
+        if self._closed:
+            raise RuntimeError("Queue reader is closed")  # _load gives the leases back
+        if self._session is None or self._session.forked:
+            self._session = open_reader(root, self.config.run_id)
+        return self._session
 
     # ------------------------------------------------------------------ finishing groups
 
@@ -397,6 +411,10 @@ class QueueReader:
         finally:
             if self._thread is not threading.current_thread():
                 self._thread.join()
+            with self._read_lock:
+                session, self._session = self._session, None
+            if session is not None and not session.forked:
+                session.close()
 
 
 def _attach(group: Any, item: Assignment, incarnation: str, root: str) -> None:
