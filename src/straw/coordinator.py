@@ -36,6 +36,7 @@ from ._queue.machine import (
     SAVED,
     Answer,
     Event,
+    Planned,
     QueueState,
     journal_body,
     new_state,
@@ -48,6 +49,7 @@ from .errors import (
     CorruptData,
     IndeterminateCommit,
     InvalidReference,
+    QueueError,
     StorageUnavailable,
     UnsafeRecovery,
     UnsupportedSchema,
@@ -722,6 +724,79 @@ class Coordinator:
             )
         self.backend.fault("before_completion_reply")
         return CommitReceipt.from_dict(receipt)
+
+    def complete_tasks(self, completions: Iterable[Mapping[str, Any]]) -> list[CommitReceipt]:
+        """Many :meth:`complete_task` calls as one transaction (ours, additive to API.md section 7).
+
+        Each entry is a mapping of ``complete_task``'s arguments (``lease``, ``submission_id``,
+        ``result_ref``, ``result_digest``; the objects or their ``asdict`` forms) and is
+        checked exactly as ``complete_task`` checks it, in order. All or nothing: the first
+        entry that ``complete_task`` would refuse raises that error, naming the entry, and
+        nothing is accepted. Otherwise the receipts come back in entry order: accepted
+        submissions answer their original receipts (a retry after a lost reply), the others
+        are accepted at consecutive positions, paying one journal sync for the whole batch.
+        """
+        entries = validate.completions(completions)
+        with self._lock:
+            self._usable()
+            _, early = self._state.check_complete_many(
+                [(*e, ()) for e in entries], self.clock(), self._new_id, precheck=True
+            )
+        # The records must belong to each task and attempt (as in complete_task): this reads
+        # packs, so it runs outside the lock, and every entry is checked again under it after.
+        adopted = Adoption()
+        reached: dict[str, set[str]] = {}
+        for number, ((lease, submission_id, ref, _), (kind, _)) in enumerate(
+            zip(entries, early, strict=True)
+        ):
+            if kind == "new" and submission_id not in reached:
+                reached[submission_id] = self._validate_result(lease, ref, adopted, number)
+        plans: list[Planned] = []  # set by check(), which _commit runs once under the lock
+
+        def check() -> Event | Answer:
+            planned = [
+                (lease, submission_id, ref, result_digest, reached.get(submission_id, ()))
+                for lease, submission_id, ref, result_digest in entries
+            ]
+            event, found = self._state.check_complete_many(planned, self.clock(), self._new_id)
+            plans.extend(found)
+            return event if event is not None else Answer([])
+
+        accepted = self._commit(check, set().union(*reached.values()), adopted)
+        receipts = []
+        for (_, _, ref, _), (kind, value) in zip(entries, plans, strict=True):
+            if kind == "known":
+                self._counters["duplicate_completions"] += 1
+                receipts.append(CommitReceipt.from_dict(value))
+            else:
+                receipt = accepted[value]
+                receipts.append(
+                    CommitReceipt(
+                        receipt["commit_id"],
+                        receipt["task_id"],
+                        receipt["submission_id"],
+                        receipt["digest"],
+                        receipt["position"],
+                        ref,
+                    )
+                )
+        self.backend.fault("before_completion_reply")
+        return receipts
+
+    def _validate_result(self, lease: Lease, ref: RecordSetRef, adopted: Adoption, number: int) -> set[str]:
+        """The store's ownership check of entry ``number``'s result (outside the lock: it reads
+        packs); the packs it reaches. Its errors are ``complete_task``'s, naming the entry."""
+        try:
+            return self.store.validate_reach(
+                ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
+            )
+        except StorageUnavailable as error:
+            # As in complete_task (item 7): a result whose data is gone pauses scheduling.
+            with self._lock:
+                self._paused = error
+            raise type(error)(f"complete_tasks entry {number}: {error}") from error
+        except QueueError as error:
+            raise type(error)(f"complete_tasks entry {number}: {error}") from error
 
     def fail_task(self, lease: Lease, *, request_id: str, failure: str, retryable: bool = True) -> str:
         """Spend an attempt; the task is pending again, or ``failed`` when attempts run out."""
