@@ -80,6 +80,9 @@ TRAINING = "training"
 LOCK_FILE = "LOCK"
 QUEUE_FORMAT = "straw-queue"
 QUEUE_VERSION = 1
+#: Snapshots past the threshold run in a thread of their own (J5). Tests that need one order
+#: of file-system calls run them in the calling thread instead.
+SNAPSHOTS_IN_BACKGROUND = True
 
 
 def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
@@ -213,6 +216,8 @@ class Coordinator:
         self._viewing_durable = False  # the state was reloaded from disk after a journal failure
         self._paused: StorageUnavailable | None = None  # set when accepted data was found missing
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
+        self._snapshotter: threading.Thread | None = None  # the background snapshot (J5), if any
+        self._snapshot_error: BaseException | None = None
         store._ensure_catalog()  # I20: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
@@ -562,22 +567,65 @@ class Coordinator:
         return value
 
     def _maybe_snapshot(self) -> None:
+        """J5.1 (lock held, no I/O): past the threshold, a snapshot starts in the background."""
         journal = self._journal
         if journal.bytes_since_snapshot < max(JOURNAL_SNAPSHOT_BYTES_MIN, journal.snapshot_bytes):
             return
+        running = self._snapshotter
+        if (running is not None and running.is_alive()) or journal.failed is not None:
+            return
+        seq, chain = journal.request_switch()
+        if not SNAPSHOTS_IN_BACKGROUND:
+            self._snapshotter = None
+            self._snapshot_job(seq, chain)
+            return
+        thread = threading.Thread(
+            target=self._snapshot_job, args=(seq, chain), name=f"straw-snapshot-{self.queue_id}", daemon=True
+        )
+        self._snapshotter = thread
+        thread.start()
+
+    def _snapshot_job(self, seq: int, chain: bytes) -> None:
+        """J5.2-J5.5 without the coordinator's lock: calls go on while the snapshot of frame ``seq``
+        is built and written. Frames after ``seq`` wait only for the segment switch (J5.2)."""
         try:
-            self._snapshot_locked()
-        except OSError as error:
-            # Before the snapshot is durable nothing changed: the call is refused and the next
-            # one tries again. A failure after it (starting the next segment) stops the
-            # coordinator like a failed journal write (J3); recovery continues from the files.
+            self._journal.switch()
+            body = self._snapshot_body(seq)
+            self._journal.write_snapshot_at(seq, chain, body)
+            self._snapshot_error = None
+        except BaseException as error:
+            # Before the snapshot is durable nothing changed, and the next one is due after as
+            # many journal bytes again. A failed switch stops the coordinator like a failed
+            # journal write (J3): recovery continues from the files. Nobody waits for this
+            # thread's answer, so the error is kept for metrics() and close().
             self._counters["snapshots_failed"] += 1
-            if self._journal.failed is not None:
+            if isinstance(error, OSError):
+                error = posix.storage_error(error, f"writing a snapshot of queue {self.queue_id!r}")
+            self._snapshot_error = error
+            if self._journal.failed is not None and self._broken is None:
                 self._broken = error
-            raise posix.storage_error(error, f"writing a snapshot of queue {self.queue_id!r}") from error
+
+    def _snapshot_body(self, seq: int) -> bytes:
+        """J5.3: the state as of frame ``seq``, rebuilt from the files (the newest snapshot and the
+        segments up to ``seq``, which nothing writes any more) by a read-only replay: the live
+        state is never copied or read, so it stays free for calls (I10 makes the two equal)."""
+        reader = Journal(
+            self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
+        )
+        state, _ = self._replay(self._limits(), reader, seq)
+        body = state_to_dict(state)
+        body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
+        return encode(body)
+
+    def _await_snapshot(self) -> BaseException | None:
+        """Wait for a background snapshot to end (close, tests); the last snapshot's error, if any."""
+        running = self._snapshotter
+        if running is not None:
+            running.join()
+        return self._snapshot_error
 
     def _snapshot_locked(self) -> None:
-        """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
+        """J5 at ``close()``: persist the state so reopening replays only what follows (lock held)."""
         self._journal.wait(self._journal.last_seq)
         body = state_to_dict(self._state)
         body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
@@ -1258,6 +1306,7 @@ class Coordinator:
                 "journal": dict(self._journal.metrics),
                 "recovery_seconds": self.recovery_seconds,
                 "counters": dict(self._counters),
+                "snapshot_error": repr(self._snapshot_error) if self._snapshot_error else None,
             }
 
         out = dict(self._query(read))
@@ -1292,6 +1341,8 @@ class Coordinator:
             if self._closed:
                 return
             self._closed = True
+        self._await_snapshot()  # a background snapshot ends before the journal closes
+        with self._lock:
             try:
                 if (
                     self._broken is None

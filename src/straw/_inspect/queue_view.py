@@ -118,7 +118,7 @@ def load_queue(root: str, directory: str) -> QueueView:
             break
         except FileNotFoundError:
             # A live coordinator replaced a segment or snapshot between the listing and the
-            # read (J5.4): read the journal again from its new listing.
+            # read (J5.5): read the journal again from its new listing.
             if attempt == JOURNAL_READS_MAX - 1:
                 raise
     view.problems += view.journal.problems
