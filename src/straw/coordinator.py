@@ -44,7 +44,7 @@ from ._queue.machine import (
     state_from_dict,
     state_to_dict,
 )
-from ._queue.progress import parse_progress
+from ._queue.progress import Acknowledged, acknowledged, parse_progress
 from .errors import (
     CorruptData,
     IndeterminateCommit,
@@ -129,19 +129,6 @@ class _Taken(Adoption):
     """What a call's references are: their adoption, and the packs each one reaches."""
 
     reach: dict[str, list[str] | int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Acknowledged:
-    """Accepted results the ``training`` consumer processed: every position below ``cursor``
-    and those in ``positions``; ``finished`` batches (its progress record, API.md section 7)."""
-
-    cursor: int
-    positions: frozenset[int]
-    finished: frozenset[str]
-
-    def covers(self, position: int) -> bool:
-        return position < self.cursor or position in self.positions
 
 
 class JournalView:
@@ -1207,16 +1194,10 @@ class Coordinator:
     def _progress(self, state: Mapping[str, Any] | None) -> Acknowledged:
         """What a ``training`` consumer state acknowledges: its processed_cursor, plus the
         positions and batches its ``progress_ref`` lists (read from the store)."""
-        if state is None:
-            return Acknowledged(0, frozenset(), frozenset())
-        cursor = int(state["processed_cursor"])
-        progress = state.get("progress_ref")
+        progress = state.get("progress_ref") if state is not None else None
         if progress is None:
-            return Acknowledged(cursor, frozenset(), frozenset())
-        found, done = parse_progress(list(self.store.read(RecordSetRef.from_dict(progress))))
-        positions = frozenset(p for p in found if p >= cursor)
-        finished = frozenset(done)
-        return Acknowledged(cursor, positions, finished)
+            return acknowledged(state)
+        return acknowledged(state, parse_progress(list(self.store.read(RecordSetRef.from_dict(progress)))))
 
     def _acknowledgements(self) -> Acknowledged:
         """What the ``training`` consumer processed (lock held: reads the current state)."""
