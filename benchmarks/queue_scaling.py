@@ -12,7 +12,8 @@
    peak, the slowest and the p99 ``complete_task`` (and how many took over 100 ms), the
    cycle p50 (a batch's wall time over its tasks), close() time, the queue's files per
    completed task, and, in a fresh process (so freed memory does not count), the reopen
-   time, the RSS after it and ``lookup_submission`` of the first task (p50).
+   time, the RSS after it and ``lookup_submission`` of the first task (p50). With
+   ``--batched`` each worker completes its 64 results with one ``complete_tasks`` call.
 
 Usage::
 
@@ -226,7 +227,7 @@ class _Feed:
 
 
 def _history_workers(
-    queue: Coordinator, store: SharedFilesystemStore, feed: _Feed, threads: int
+    queue: Coordinator, store: SharedFilesystemStore, feed: _Feed, threads: int, batched: bool
 ) -> dict[str, array.array[float]]:
     # Latencies as C doubles: a million float objects would count in the RSS measured.
     completes = array.array("d")
@@ -260,12 +261,30 @@ def _history_workers(
                     ],
                     submission_id=f"p-{leases[0].task_id}",
                 )
-                for lease, ref in zip(leases, refs, strict=True):
+                if batched:  # one complete_tasks call (one transaction) for the whole batch
                     c0 = time.perf_counter()
-                    queue.complete_task(
-                        lease, submission_id=f"c-{lease.task_id}", result_ref=ref, result_digest=ref.digest
+                    queue.complete_tasks(
+                        [
+                            {
+                                "lease": x,
+                                "submission_id": f"c-{x.task_id}",
+                                "result_ref": r,
+                                "result_digest": r.digest,
+                            }
+                            for x, r in zip(leases, refs, strict=True)
+                        ]
                     )
                     completes.append(time.perf_counter() - c0)
+                else:
+                    for lease, ref in zip(leases, refs, strict=True):
+                        c0 = time.perf_counter()
+                        queue.complete_task(
+                            lease,
+                            submission_id=f"c-{lease.task_id}",
+                            result_ref=ref,
+                            result_digest=ref.digest,
+                        )
+                        completes.append(time.perf_counter() - c0)
                 cycles.append((time.perf_counter() - t0) / len(leases))
                 feed.done(len(leases))
         finally:
@@ -287,16 +306,18 @@ def _queue_bytes(directory: str) -> int:
     return total
 
 
-def history(root: str, completed: int, threads: int = 4) -> dict[str, float]:
-    """Issue 12's table for ``completed`` tasks (module docs, item 3)."""
+def history(root: str, completed: int, threads: int = 4, batched: bool = False) -> dict[str, float]:
+    """Issue 12's table for ``completed`` tasks (module docs, item 3). ``batched``: each worker
+    completes its 64 results with one ``complete_tasks`` call (its latency is that call's)."""
     path = _fresh(root, f"history-{completed}")
     store = SharedFilesystemStore(path, "scale")
     queue = Coordinator(store, exclusive_owner="bench", lease_seconds=3600)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    times = _history_workers(queue, store, _Feed(queue, completed), threads)
+    times = _history_workers(queue, store, _Feed(queue, completed), threads, batched)
     work_s = time.perf_counter() - t0
     rss_live = _rss_bytes()
+    snapshots = queue.metrics()["journal"]["snapshots"]  # taken during the run (close adds one)
     completes, cycles = times["complete"].tolist(), times["cycle"].tolist()  # after the RSS read
     t0 = time.perf_counter()
     queue.close()
@@ -304,6 +325,7 @@ def history(root: str, completed: int, threads: int = 4) -> dict[str, float]:
     store.close()
     row: dict[str, float] = {
         "completed": completed,
+        "batched": batched,
         "rss_live_mib": rss_live / 2**20,
         "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "complete_max_ms": max(completes) * 1e3,
@@ -315,6 +337,7 @@ def history(root: str, completed: int, threads: int = 4) -> dict[str, float]:
         "queue_bytes_per_task": _queue_bytes(queue.directory) / completed,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
+        "snapshots": snapshots,
     }
     reopened = subprocess.run(
         [sys.executable, __file__, "--reopen", path], check=True, capture_output=True, text=True
@@ -353,6 +376,7 @@ def reopen(path: str) -> None:
 
 HISTORY_COLUMNS = (
     ("completed", "completed", "{:.0f}"),
+    ("batched", "complete_tasks(64)", "{!s}"),
     ("rss_live_mib", "RSS live MiB", "{:.0f}"),
     ("rss_peak_mib", "RSS peak MiB", "{:.0f}"),
     ("rss_reopen_mib", "RSS reopen MiB", "{:.0f}"),
@@ -365,6 +389,7 @@ HISTORY_COLUMNS = (
     ("close_s", "close s", "{:.2f}"),
     ("queue_bytes_per_task", "queue B/task", "{:.0f}"),
     ("lookup_first_p50_ms", "lookup first p50 ms", "{:.3f}"),
+    ("snapshots", "snapshots in run", "{:.0f}"),
     ("load_before", "load before", "{:.1f}"),
     ("load_after", "load after", "{:.1f}"),
 )
@@ -382,6 +407,14 @@ def main() -> None:
     parser.add_argument("--pending", default="1000,10000,100000,1000000")
     parser.add_argument("--completed", type=int, default=200_000)
     parser.add_argument("--history", default="", help="completed-task counts for the history table")
+    parser.add_argument(
+        "--snapshot-mib",
+        type=float,
+        default=None,
+        help="snapshot threshold for the history runs (default: JOURNAL_SNAPSHOT_BYTES_MIN), to meet "
+        "mid-run snapshots at smaller counts",
+    )
+    parser.add_argument("--batched", action="store_true", help="history runs complete with complete_tasks")
     parser.add_argument("--reopen", default=None, help=argparse.SUPPRESS)  # the history child
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -404,7 +437,9 @@ def main() -> None:
             f"{row['snapshots']!s:>10} {row['completed']:>10} {row['cycles_s']:>10.0f}"
             f" {row['journal_bytes'] / 2**20:>12.1f} {row['recovery_s']:>11.3f}"
         )
-    hist = [history(root, int(n)) for n in args.history.split(",") if n]
+    if args.snapshot_mib is not None:
+        coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN = int(args.snapshot_mib * 2**20)
+    hist = [history(root, int(n), batched=args.batched) for n in args.history.split(",") if n]
     if hist:
         print_history(hist)
     if args.json:

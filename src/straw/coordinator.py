@@ -442,6 +442,9 @@ class Coordinator:
         applied in memory but never made durable (J3.2). Read from disk once; nothing is written."""
         if self._viewing_durable:
             return
+        # A background snapshot may still be pruning the files this reads (J5.5); it takes
+        # no coordinator lock, so waiting for it here cannot deadlock.
+        self._await_snapshot()
         reader = Journal(
             self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
         )
