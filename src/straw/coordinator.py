@@ -124,6 +124,10 @@ def _as_objects(updates: Iterable[object]) -> Iterable[object]:
     return out
 
 
+class _Abandoned(Exception):
+    """A background snapshot given up because the coordinator is closing (not a failure)."""
+
+
 @dataclass
 class _Taken(Adoption):
     """What a call's references are: their adoption, and the packs each one reaches."""
@@ -405,14 +409,21 @@ class Coordinator:
         }
 
     def _replay(
-        self, limits: Mapping[str, int], journal: Journal | None = None, upto: int | None = None
+        self,
+        limits: Mapping[str, int],
+        journal: Journal | None = None,
+        upto: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[QueueState, dict[str, Any] | None]:
         """The state after the journal's last durable frame (or frame ``upto``, read-only from
-        ``journal``), and the identity it last recorded."""
+        ``journal``), and the identity it last recorded. ``stop`` (a background snapshot's)
+        is asked before each frame; True abandons the replay with ``_Abandoned``."""
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
         identity: list[dict[str, Any] | None] = [None]
 
         def apply(seq: int, body: bytes) -> None:
+            if stop is not None and stop():
+                raise _Abandoned
             event = decode(body)
             if event.get("op") == "epoch" and isinstance(event.get("identity"), dict):
                 identity[0] = event["identity"]
@@ -581,8 +592,12 @@ class Coordinator:
         try:
             self._journal.switch()
             body = self._snapshot_body(seq)
+            if self._closed:
+                raise _Abandoned  # close() writes its own snapshot, of everything
             self._journal.write_snapshot_at(seq, chain, body)
             self._snapshot_error = None
+        except _Abandoned:
+            return  # closing: not a failure, nothing was written since the switch
         except BaseException as error:
             # Before the snapshot is durable nothing changed, and the next one is due after as
             # many journal bytes again. A failed switch stops the coordinator like a failed
@@ -602,7 +617,8 @@ class Coordinator:
         reader = Journal(
             self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
         )
-        state, _ = self._replay(self._limits(), reader, seq)
+        # close() must not wait for a whole rebuild: it abandons this one (it snapshots itself).
+        state, _ = self._replay(self._limits(), reader, seq, stop=lambda: self._closed)
         body = state_to_dict(state)
         body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
         return encode(body)
@@ -1325,7 +1341,9 @@ class Coordinator:
             if self._closed:
                 return
             self._closed = True
-        self._await_snapshot()  # a background snapshot ends before the journal closes
+        # A background snapshot ends before the journal closes: once the segment switch is
+        # done it gives up at its next frame (J5.3), so this waits for little.
+        self._await_snapshot()
         with self._lock:
             try:
                 if (

@@ -239,3 +239,39 @@ def test_a_switch_writes_the_frames_after_its_point_to_the_next_segment(tmp_path
     recovered = reader.replay(lambda s, body: applied.append(s), loaded.append)
     assert loaded == [b'{"state":3}'] and applied == [4, 5] and recovered.last_seq == 5
     assert sorted(p.name for p in (tmp_path / "queue" / "wal").iterdir()) == [names[1]]
+
+
+@pytest.mark.timeout(60)
+def test_close_abandons_a_background_snapshot_instead_of_waiting_for_its_rebuild(
+    make: Any, store: SharedFilesystemStore, hook: Hook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord = make()
+    (lease,) = leases(coord, 1)
+    receipt = complete(coord, lease)
+    due(monkeypatch)
+    hook.hold = "after_segment_switch"  # the thread is held before its rebuild (J5.3)
+    switch_point = coord.journal.sequence
+    caller = threading.Thread(target=coord.release_task_reads, args=([],))
+    caller.start()  # its frame follows the switch point: it waits for the next segment
+    assert hook.reached.wait(WAIT_S)
+    waiting = threading.Event()
+    real_await = coord._await_snapshot
+
+    def awaiting() -> BaseException | None:
+        waiting.set()  # close() has marked the coordinator closed and now waits for the thread
+        return real_await()
+
+    monkeypatch.setattr(coord, "_await_snapshot", awaiting)
+    closer = threading.Thread(target=coord.close)
+    closer.start()
+    assert waiting.wait(WAIT_S)
+    hook.go.set()
+    closer.join(WAIT_S)
+    caller.join(WAIT_S)
+    assert not closer.is_alive() and not caller.is_alive()
+    # The thread wrote nothing (close() writes its own snapshot if anything came after the
+    # switch): no snapshot of the switch point, no failure counted.
+    assert switch_point not in snapshots(coord)
+    assert coord._counters["snapshots_failed"] == 0 and coord._snapshot_error is None
+    again = make(recover=True)
+    assert again.lookup_submission("s-t0") == receipt
