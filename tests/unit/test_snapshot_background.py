@@ -275,3 +275,45 @@ def test_close_abandons_a_background_snapshot_instead_of_waiting_for_its_rebuild
     assert coord._counters["snapshots_failed"] == 0 and coord._snapshot_error is None
     again = make(recover=True)
     assert again.lookup_submission("s-t0") == receipt
+
+
+@pytest.mark.timeout(120)
+def test_threads_working_through_back_to_back_snapshots_lose_nothing(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four threads acquire and complete while a snapshot is due after every call, so the
+    switch point, the batch split and the segment switch meet concurrent group commits."""
+    import straw._journal.log as journal_log
+
+    monkeypatch.setattr(journal_log, "JOURNAL_PREALLOC_BYTES", 64 * 1024)  # small segments
+    coord = make()
+    count, threads = 120, 4
+    coord.submit_tasks("tasks", [TaskSpec(f"t{i:03d}") for i in range(count)])
+    due(monkeypatch)
+    receipts: list[Any] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            while True:
+                got = coord.acquire(threading.current_thread().name, 2)
+                if got.status != "acquired":
+                    return
+                for assignment in got.assignments:
+                    receipts.append(complete(coord, assignment.lease))
+        except BaseException as error:  # reported by the test thread
+            errors.append(error)
+
+    pool = [threading.Thread(target=work, name=f"w{k}") for k in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(WAIT_S * 3)
+    assert not errors and not any(t.is_alive() for t in pool)
+    assert coord._await_snapshot() is None
+    assert coord.metrics()["journal"]["snapshots"] >= 2
+    assert sorted(r.position for r in receipts) == list(range(count))
+    qh.crash(coord)
+    again = make(recover=True)
+    assert [again.lookup_submission(r.submission_id) for r in receipts] == receipts
+    assert {t["state"] for t in again.tasks.values()} == {"completed"}
