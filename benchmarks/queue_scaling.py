@@ -5,11 +5,20 @@
    is ordered, so acquire p50 must stay flat from 1k to 1M pending tasks.
 2. Recovery time after N completed tasks, with journal snapshots (the
    default) and without them (replaying the whole journal).
+3. History at RL scale (issue 12's table, ``--history 100000,1000000``): 4 worker
+   threads run acquire(64) -> publish_many -> complete_task over N tasks, fed in waves
+   of SUBMIT_BATCH while at most BACKLOG are unfinished (as an RL job's steps do), with
+   default Limits. It prints the coordinator process's RSS at the end (live) and its
+   peak, the slowest and the p99 ``complete_task`` (and how many took over 100 ms), the
+   cycle p50 (a batch's wall time over its tasks), close() time, the queue's files per
+   completed task, and, in a fresh process (so freed memory does not count), the reopen
+   time, the RSS after it and ``lookup_submission`` of the first task (p50). With
+   ``--batched`` each worker completes its 64 results with one ``complete_tasks`` call.
 
 Usage::
 
     .venv/bin/python benchmarks/queue_scaling.py [--root DIR] [--pending 1000,10000,100000,1000000]
-        [--completed 200000] [--json out.json]
+        [--completed 200000] [--history 100000] [--json out.json]
 
 Numbers are printed as a table; nothing here is a pass/fail test.
 """
@@ -17,10 +26,14 @@ Numbers are printed as a table; nothing here is a pass/fail test.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import os
+import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -32,6 +45,10 @@ from straw.store import SharedFilesystemStore
 
 SUBMIT_BATCH = 1000
 ACQUIRE_SAMPLES = 2000
+#: Unfinished tasks at most in the history benchmark (live work stays bounded, history grows).
+BACKLOG = 8192
+#: A complete_task slower than this counts as a stall.
+STALL_S = 0.1
 
 
 def _fresh(root: str, name: str) -> str:
@@ -160,13 +177,250 @@ def recovery(root: str, completed: int) -> list[dict[str, float]]:
     return rows
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] if ordered else 0.0
+
+
+class _Feed:
+    """Submits tasks in waves while fewer than BACKLOG are unfinished; seals once all are in."""
+
+    def __init__(self, queue: Coordinator, total: int) -> None:
+        self.queue, self.total = queue, total
+        self.submitted = self.finished = 0
+        self.cv = threading.Condition()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while self.submitted - self.finished >= BACKLOG:
+                    self.cv.wait()
+                if self.submitted >= self.total:
+                    break
+                base = self.submitted
+                count = min(SUBMIT_BATCH, self.total - base)
+            self.queue.submit_tasks(f"s{base}", [TaskSpec(f"t{base + i:09d}") for i in range(count)])
+            with self.cv:
+                self.submitted += count
+                self.cv.notify_all()
+        self.queue.seal_input("sealed")
+        with self.cv:
+            self.cv.notify_all()
+
+    def done(self, count: int) -> None:
+        with self.cv:
+            self.finished += count
+            self.cv.notify_all()
+
+    def wait_for_work(self) -> bool:
+        """After an ``empty`` answer: False once everything was submitted and finished."""
+        with self.cv:
+            seen = self.submitted
+            while self.submitted == seen and self.finished < self.total:
+                self.cv.wait()
+            return self.finished < self.total
+
+
+def _history_workers(
+    queue: Coordinator, store: SharedFilesystemStore, feed: _Feed, threads: int, batched: bool
+) -> dict[str, array.array[float]]:
+    # Latencies as C doubles: a million float objects would count in the RSS measured.
+    completes = array.array("d")
+    cycles = array.array("d")
+
+    def worker(k: int) -> None:
+        own = SharedFilesystemStore(store.backend.root, store.run_id)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                got = queue.acquire(f"w{k}", 64)
+                if got.status == "empty":
+                    if not feed.wait_for_work():
+                        return
+                    continue
+                if got.status != "acquired":
+                    return
+                leases = [a.lease for a in got.assignments]
+                refs = own.publish_many(
+                    [
+                        Publication(
+                            (
+                                Record(
+                                    "r",
+                                    b"x" * 64,
+                                    metadata={"task_id": x.task_id, "attempt_id": x.attempt_id},
+                                ),
+                            )
+                        )
+                        for x in leases
+                    ],
+                    submission_id=f"p-{leases[0].task_id}",
+                )
+                if batched:  # one complete_tasks call (one transaction) for the whole batch
+                    c0 = time.perf_counter()
+                    queue.complete_tasks(
+                        [
+                            {
+                                "lease": x,
+                                "submission_id": f"c-{x.task_id}",
+                                "result_ref": r,
+                                "result_digest": r.digest,
+                            }
+                            for x, r in zip(leases, refs, strict=True)
+                        ]
+                    )
+                    completes.append(time.perf_counter() - c0)
+                else:
+                    for lease, ref in zip(leases, refs, strict=True):
+                        c0 = time.perf_counter()
+                        queue.complete_task(
+                            lease,
+                            submission_id=f"c-{lease.task_id}",
+                            result_ref=ref,
+                            result_digest=ref.digest,
+                        )
+                        completes.append(time.perf_counter() - c0)
+                cycles.append((time.perf_counter() - t0) / len(leases))
+                feed.done(len(leases))
+        finally:
+            own.close()
+
+    pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for thread in pool:
+        thread.start()
+    feed.run()
+    for thread in pool:
+        thread.join()
+    return {"complete": completes, "cycle": cycles}
+
+
+def _queue_bytes(directory: str) -> int:
+    total = 0
+    for base, _, names in os.walk(directory):
+        total += sum(os.path.getsize(os.path.join(base, name)) for name in names)
+    return total
+
+
+def history(root: str, completed: int, threads: int = 4, batched: bool = False) -> dict[str, float]:
+    """Issue 12's table for ``completed`` tasks (module docs, item 3). ``batched``: each worker
+    completes its 64 results with one ``complete_tasks`` call (its latency is that call's)."""
+    path = _fresh(root, f"history-{completed}")
+    store = SharedFilesystemStore(path, "scale")
+    queue = Coordinator(store, exclusive_owner="bench", lease_seconds=3600)
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    times = _history_workers(queue, store, _Feed(queue, completed), threads, batched)
+    work_s = time.perf_counter() - t0
+    rss_live = _rss_bytes()
+    snapshots = queue.metrics()["journal"]["snapshots"]  # taken during the run (close adds one)
+    completes, cycles = times["complete"].tolist(), times["cycle"].tolist()  # after the RSS read
+    t0 = time.perf_counter()
+    queue.close()
+    close_s = time.perf_counter() - t0
+    store.close()
+    row: dict[str, float] = {
+        "completed": completed,
+        "batched": batched,
+        "rss_live_mib": rss_live / 2**20,
+        "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "complete_max_ms": max(completes) * 1e3,
+        "complete_p99_ms": _percentile(completes, 0.99) * 1e3,
+        "stalls_over_100ms": sum(1 for t in completes if t > STALL_S),
+        "cycle_p50_ms": statistics.median(cycles) * 1e3,
+        "tasks_s": completed / work_s,
+        "close_s": close_s,
+        "queue_bytes_per_task": _queue_bytes(queue.directory) / completed,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "snapshots": snapshots,
+    }
+    reopened = subprocess.run(
+        [sys.executable, __file__, "--reopen", path], check=True, capture_output=True, text=True
+    )
+    row.update(json.loads(reopened.stdout.splitlines()[-1]))
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def reopen(path: str) -> None:
+    """The child side of ``history``: reopen the queue, measure, print one JSON line."""
+    store = SharedFilesystemStore(path, "scale")
+    t0 = time.perf_counter()
+    queue = Coordinator(store, exclusive_owner="bench", recover=True, lease_seconds=3600)
+    reopen_s = time.perf_counter() - t0
+    rss = _rss_bytes()
+    samples = []
+    for _ in range(200):
+        s0 = time.perf_counter()
+        found = queue.lookup_submission("c-t000000000")
+        samples.append(time.perf_counter() - s0)
+        if found is None or found.task_id != "t000000000":
+            raise RuntimeError("the first task's receipt is missing after reopen")
+    queue.close()
+    store.close()
+    print(
+        json.dumps(
+            {
+                "reopen_s": reopen_s,
+                "rss_reopen_mib": rss / 2**20,
+                "lookup_first_p50_ms": statistics.median(samples) * 1e3,
+            }
+        )
+    )
+
+
+HISTORY_COLUMNS = (
+    ("completed", "completed", "{:.0f}"),
+    ("batched", "complete_tasks(64)", "{!s}"),
+    ("rss_live_mib", "RSS live MiB", "{:.0f}"),
+    ("rss_peak_mib", "RSS peak MiB", "{:.0f}"),
+    ("rss_reopen_mib", "RSS reopen MiB", "{:.0f}"),
+    ("reopen_s", "reopen s", "{:.2f}"),
+    ("complete_max_ms", "slowest complete ms", "{:.1f}"),
+    ("complete_p99_ms", "complete p99 ms", "{:.2f}"),
+    ("stalls_over_100ms", "over 100 ms", "{:.0f}"),
+    ("cycle_p50_ms", "cycle p50 ms", "{:.3f}"),
+    ("tasks_s", "tasks/s", "{:.0f}"),
+    ("close_s", "close s", "{:.2f}"),
+    ("queue_bytes_per_task", "queue B/task", "{:.0f}"),
+    ("lookup_first_p50_ms", "lookup first p50 ms", "{:.3f}"),
+    ("snapshots", "snapshots in run", "{:.0f}"),
+    ("load_before", "load before", "{:.1f}"),
+    ("load_after", "load after", "{:.1f}"),
+)
+
+
+def print_history(rows: list[dict[str, float]]) -> None:
+    print(" | ".join(title for _, title, _ in HISTORY_COLUMNS))
+    for row in rows:
+        print(" | ".join(form.format(row[key]) for key, _, form in HISTORY_COLUMNS))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--pending", default="1000,10000,100000,1000000")
     parser.add_argument("--completed", type=int, default=200_000)
+    parser.add_argument("--history", default="", help="completed-task counts for the history table")
+    parser.add_argument(
+        "--snapshot-mib",
+        type=float,
+        default=None,
+        help="snapshot threshold for the history runs (default: JOURNAL_SNAPSHOT_BYTES_MIN), to meet "
+        "mid-run snapshots at smaller counts",
+    )
+    parser.add_argument("--batched", action="store_true", help="history runs complete with complete_tasks")
+    parser.add_argument("--reopen", default=None, help=argparse.SUPPRESS)  # the history child
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.reopen:
+        reopen(args.reopen)
+        return
     root = args.root or tempfile.mkdtemp(prefix="straw-queue-scale-")
     sizes = [int(x) for x in args.pending.split(",") if x]
     flat = acquire_flatness(root, sizes)
@@ -183,9 +437,14 @@ def main() -> None:
             f"{row['snapshots']!s:>10} {row['completed']:>10} {row['cycles_s']:>10.0f}"
             f" {row['journal_bytes'] / 2**20:>12.1f} {row['recovery_s']:>11.3f}"
         )
+    if args.snapshot_mib is not None:
+        coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN = int(args.snapshot_mib * 2**20)
+    hist = [history(root, int(n), batched=args.batched) for n in args.history.split(",") if n]
+    if hist:
+        print_history(hist)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"acquire": flat, "recovery": rec}, handle, indent=2)
+            json.dump({"acquire": flat, "recovery": rec, "history": hist}, handle, indent=2)
     if args.root is None:
         shutil.rmtree(root, ignore_errors=True)
 

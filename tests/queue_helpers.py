@@ -81,8 +81,11 @@ def crash(coordinator: Coordinator) -> None:
     """Drop a coordinator the way a killed process would: no snapshot, no clean close.
 
     The journal descriptor is closed without writing anything more and the queue
-    lock is released, exactly what the kernel does when the holder dies.
+    lock is released, exactly what the kernel does when the holder dies. A snapshot
+    running in the background (J5) is let finish first: a killed process's threads die
+    with it, and within one process the nearest equivalent is a crash just after it.
     """
+    coordinator._await_snapshot()
     coordinator._journal.abandon()
     lock.unlock(coordinator._lock_fd)
     coordinator._closed = True  # the dead object must not be used (or closed) again

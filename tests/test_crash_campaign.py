@@ -101,8 +101,10 @@ PHASE_COUNTS = {
     "before_unlink": 4,
 }
 #: Phases of the fault table the workload does not reach: catalog compaction needs a
-#: 16 MiB catalog log (CATALOG_COMPACT_BYTES_MIN), too slow for a child run.
-UNREACHED_PHASES = {"before_catalog_compact"}
+#: 16 MiB catalog log (CATALOG_COMPACT_BYTES_MIN), too slow for a child run; a background
+#: snapshot's segment switch needs the journal threshold lowered, which
+#: tests/test_snapshot_crash.py does (it kills a child at each J5 phase).
+UNREACHED_PHASES = {"before_catalog_compact", "before_segment_switch", "after_segment_switch"}
 #: The occurrences `make test` runs: each phase at least once, at a point inside the
 #: workload (input packs, the scratch writer, results, rotation, the final seal, the first
 #: and the reopened coordinator, the collection's tombstone and unlinks).
@@ -200,7 +202,7 @@ def test_the_workload_reaches_every_phase_as_often_as_the_campaign_expects(
     *ops, last = reference
     assert last["op"] == "phases"
     assert last["counts"] == PHASE_COUNTS
-    # Every phase of the fault table but compaction is reached.
+    # Every phase of the fault table but those in UNREACHED_PHASES is reached.
     table = (Path(__file__).resolve().parents[1] / "docs" / "DURABILITY.md").read_text()
     named = {name for name in PHASE_COUNTS if f"`{name}`" in table}
     assert named == set(PHASE_COUNTS)

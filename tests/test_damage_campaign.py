@@ -310,7 +310,7 @@ def _harmless(case: Case, pristine: bytes) -> bool:
     if case.op == "truncate" and case.kind in ("journal-newest", "journal-older", "catalog-log"):
         frames = _log_frames(pristine)
         end = frames[-1][1] if frames else jframe.SEGMENT_HEADER_BYTES
-        # An older segment may keep zeros after its frames (a crash before the cut, J5.3).
+        # An older segment may keep zeros after its frames (a crash before the cut, J5.2).
         return case.at >= end + (0 if case.kind == "journal-older" else LOG_END_ZEROS_MIN)
     return False
 

@@ -36,6 +36,7 @@ from ._queue.machine import (
     SAVED,
     Answer,
     Event,
+    Planned,
     QueueState,
     journal_body,
     new_state,
@@ -43,11 +44,12 @@ from ._queue.machine import (
     state_from_dict,
     state_to_dict,
 )
-from ._queue.progress import parse_progress
+from ._queue.progress import Acknowledged, acknowledged, parse_progress
 from .errors import (
     CorruptData,
     IndeterminateCommit,
     InvalidReference,
+    QueueError,
     StorageUnavailable,
     UnsafeRecovery,
     UnsupportedSchema,
@@ -78,6 +80,9 @@ TRAINING = "training"
 LOCK_FILE = "LOCK"
 QUEUE_FORMAT = "straw-queue"
 QUEUE_VERSION = 1
+#: Snapshots past the threshold run in a thread of their own (J5). Tests that need one order
+#: of file-system calls run them in the calling thread instead.
+SNAPSHOTS_IN_BACKGROUND = True
 
 
 def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
@@ -119,24 +124,15 @@ def _as_objects(updates: Iterable[object]) -> Iterable[object]:
     return out
 
 
+class _Abandoned(Exception):
+    """A background snapshot given up because the coordinator is closing (not a failure)."""
+
+
 @dataclass
 class _Taken(Adoption):
     """What a call's references are: their adoption, and the packs each one reaches."""
 
     reach: dict[str, list[str] | int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Acknowledged:
-    """Accepted results the ``training`` consumer processed: every position below ``cursor``
-    and those in ``positions``; ``finished`` batches (its progress record, API.md section 7)."""
-
-    cursor: int
-    positions: frozenset[int]
-    finished: frozenset[str]
-
-    def covers(self, position: int) -> bool:
-        return position < self.cursor or position in self.positions
 
 
 class JournalView:
@@ -211,6 +207,8 @@ class Coordinator:
         self._viewing_durable = False  # the state was reloaded from disk after a journal failure
         self._paused: StorageUnavailable | None = None  # set when accepted data was found missing
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
+        self._snapshotter: threading.Thread | None = None  # the background snapshot (J5), if any
+        self._snapshot_error: BaseException | None = None
         store._ensure_catalog()  # I20: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
@@ -411,14 +409,21 @@ class Coordinator:
         }
 
     def _replay(
-        self, limits: Mapping[str, int], journal: Journal | None = None, upto: int | None = None
+        self,
+        limits: Mapping[str, int],
+        journal: Journal | None = None,
+        upto: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[QueueState, dict[str, Any] | None]:
         """The state after the journal's last durable frame (or frame ``upto``, read-only from
-        ``journal``), and the identity it last recorded."""
+        ``journal``), and the identity it last recorded. ``stop`` (a background snapshot's)
+        is asked before each frame; True abandons the replay with ``_Abandoned``."""
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
         identity: list[dict[str, Any] | None] = [None]
 
         def apply(seq: int, body: bytes) -> None:
+            if stop is not None and stop():
+                raise _Abandoned
             event = decode(body)
             if event.get("op") == "epoch" and isinstance(event.get("identity"), dict):
                 identity[0] = event["identity"]
@@ -448,6 +453,9 @@ class Coordinator:
         applied in memory but never made durable (J3.2). Read from disk once; nothing is written."""
         if self._viewing_durable:
             return
+        # A background snapshot may still be pruning the files this reads (J5.5); it takes
+        # no coordinator lock, so waiting for it here cannot deadlock.
+        self._await_snapshot()
         reader = Journal(
             self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
         )
@@ -560,22 +568,70 @@ class Coordinator:
         return value
 
     def _maybe_snapshot(self) -> None:
+        """J5.1 (lock held, no I/O): past the threshold, a snapshot starts in the background."""
         journal = self._journal
         if journal.bytes_since_snapshot < max(JOURNAL_SNAPSHOT_BYTES_MIN, journal.snapshot_bytes):
             return
+        running = self._snapshotter
+        if (running is not None and running.is_alive()) or journal.failed is not None:
+            return
+        seq, chain = journal.request_switch()
+        if not SNAPSHOTS_IN_BACKGROUND:
+            self._snapshotter = None
+            self._snapshot_job(seq, chain)
+            return
+        thread = threading.Thread(
+            target=self._snapshot_job, args=(seq, chain), name=f"straw-snapshot-{self.queue_id}", daemon=True
+        )
+        self._snapshotter = thread
+        thread.start()
+
+    def _snapshot_job(self, seq: int, chain: bytes) -> None:
+        """J5.2-J5.5 without the coordinator's lock: calls go on while the snapshot of frame ``seq``
+        is built and written. Frames after ``seq`` wait only for the segment switch (J5.2)."""
         try:
-            self._snapshot_locked()
-        except OSError as error:
-            # Before the snapshot is durable nothing changed: the call is refused and the next
-            # one tries again. A failure after it (starting the next segment) stops the
-            # coordinator like a failed journal write (J3); recovery continues from the files.
+            self._journal.switch()
+            body = self._snapshot_body(seq)
+            if self._closed:
+                raise _Abandoned  # close() writes its own snapshot, of everything
+            self._journal.write_snapshot_at(seq, chain, body)
+            self._snapshot_error = None
+        except _Abandoned:
+            return  # closing: not a failure, nothing was written since the switch
+        except BaseException as error:
+            # Before the snapshot is durable nothing changed, and the next one is due after as
+            # many journal bytes again. A failed switch stops the coordinator like a failed
+            # journal write (J3): recovery continues from the files. Nobody waits for this
+            # thread's answer, so the error is kept for metrics() and close().
             self._counters["snapshots_failed"] += 1
-            if self._journal.failed is not None:
+            if isinstance(error, OSError):
+                error = posix.storage_error(error, f"writing a snapshot of queue {self.queue_id!r}")
+            self._snapshot_error = error
+            if self._journal.failed is not None and self._broken is None:
                 self._broken = error
-            raise posix.storage_error(error, f"writing a snapshot of queue {self.queue_id!r}") from error
+
+    def _snapshot_body(self, seq: int) -> bytes:
+        """J5.3: the state as of frame ``seq``, rebuilt from the files (the newest snapshot and the
+        segments up to ``seq``, which nothing writes any more) by a read-only replay: the live
+        state is never copied or read, so it stays free for calls (I10 makes the two equal)."""
+        reader = Journal(
+            self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
+        )
+        # close() must not wait for a whole rebuild: it abandons this one (it snapshots itself).
+        state, _ = self._replay(self._limits(), reader, seq, stop=lambda: self._closed)
+        body = state_to_dict(state)
+        body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
+        return encode(body)
+
+    def _await_snapshot(self) -> BaseException | None:
+        """Wait for a background snapshot to end (close, tests); the last snapshot's error, if any."""
+        running = self._snapshotter
+        if running is not None:
+            running.join()
+        return self._snapshot_error
 
     def _snapshot_locked(self) -> None:
-        """J5: persist the state so reopening replays only what follows (caller holds the lock)."""
+        """J5 at ``close()``: persist the state so reopening replays only what follows (lock held)."""
         self._journal.wait(self._journal.last_seq)
         body = state_to_dict(self._state)
         body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
@@ -722,6 +778,79 @@ class Coordinator:
             )
         self.backend.fault("before_completion_reply")
         return CommitReceipt.from_dict(receipt)
+
+    def complete_tasks(self, completions: Iterable[Mapping[str, Any]]) -> list[CommitReceipt]:
+        """Many :meth:`complete_task` calls as one transaction (ours, additive to API.md section 7).
+
+        Each entry is a mapping of ``complete_task``'s arguments (``lease``, ``submission_id``,
+        ``result_ref``, ``result_digest``; the objects or their ``asdict`` forms) and is
+        checked exactly as ``complete_task`` checks it, in order. All or nothing: the first
+        entry that ``complete_task`` would refuse raises that error, naming the entry, and
+        nothing is accepted. Otherwise the receipts come back in entry order: accepted
+        submissions answer their original receipts (a retry after a lost reply), the others
+        are accepted at consecutive positions, paying one journal sync for the whole batch.
+        """
+        entries = validate.completions(completions)
+        with self._lock:
+            self._usable()
+            _, early = self._state.check_complete_many(
+                [(*e, ()) for e in entries], self.clock(), self._new_id, precheck=True
+            )
+        # The records must belong to each task and attempt (as in complete_task): this reads
+        # packs, so it runs outside the lock, and every entry is checked again under it after.
+        adopted = Adoption()
+        reached: dict[str, set[str]] = {}
+        for number, ((lease, submission_id, ref, _), (kind, _)) in enumerate(
+            zip(entries, early, strict=True)
+        ):
+            if kind == "new" and submission_id not in reached:
+                reached[submission_id] = self._validate_result(lease, ref, adopted, number)
+        plans: list[Planned] = []  # set by check(), which _commit runs once under the lock
+
+        def check() -> Event | Answer:
+            planned = [
+                (lease, submission_id, ref, result_digest, reached.get(submission_id, ()))
+                for lease, submission_id, ref, result_digest in entries
+            ]
+            event, found = self._state.check_complete_many(planned, self.clock(), self._new_id)
+            plans.extend(found)
+            return event if event is not None else Answer([])
+
+        accepted = self._commit(check, set().union(*reached.values()), adopted)
+        receipts = []
+        for (_, _, ref, _), (kind, value) in zip(entries, plans, strict=True):
+            if kind == "known":
+                self._counters["duplicate_completions"] += 1
+                receipts.append(CommitReceipt.from_dict(value))
+            else:
+                receipt = accepted[value]
+                receipts.append(
+                    CommitReceipt(
+                        receipt["commit_id"],
+                        receipt["task_id"],
+                        receipt["submission_id"],
+                        receipt["digest"],
+                        receipt["position"],
+                        ref,
+                    )
+                )
+        self.backend.fault("before_completion_reply")
+        return receipts
+
+    def _validate_result(self, lease: Lease, ref: RecordSetRef, adopted: Adoption, number: int) -> set[str]:
+        """The store's ownership check of entry ``number``'s result (outside the lock: it reads
+        packs); the packs it reaches. Its errors are ``complete_task``'s, naming the entry."""
+        try:
+            return self.store.validate_reach(
+                ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
+            )
+        except StorageUnavailable as error:
+            # As in complete_task (item 7): a result whose data is gone pauses scheduling.
+            with self._lock:
+                self._paused = error
+            raise type(error)(f"complete_tasks entry {number}: {error}") from error
+        except QueueError as error:
+            raise type(error)(f"complete_tasks entry {number}: {error}") from error
 
     def fail_task(self, lease: Lease, *, request_id: str, failure: str, retryable: bool = True) -> str:
         """Spend an attempt; the task is pending again, or ``failed`` when attempts run out."""
@@ -1084,16 +1213,10 @@ class Coordinator:
     def _progress(self, state: Mapping[str, Any] | None) -> Acknowledged:
         """What a ``training`` consumer state acknowledges: its processed_cursor, plus the
         positions and batches its ``progress_ref`` lists (read from the store)."""
-        if state is None:
-            return Acknowledged(0, frozenset(), frozenset())
-        cursor = int(state["processed_cursor"])
-        progress = state.get("progress_ref")
+        progress = state.get("progress_ref") if state is not None else None
         if progress is None:
-            return Acknowledged(cursor, frozenset(), frozenset())
-        found, done = parse_progress(list(self.store.read(RecordSetRef.from_dict(progress))))
-        positions = frozenset(p for p in found if p >= cursor)
-        finished = frozenset(done)
-        return Acknowledged(cursor, positions, finished)
+            return acknowledged(state)
+        return acknowledged(state, parse_progress(list(self.store.read(RecordSetRef.from_dict(progress)))))
 
     def _acknowledgements(self) -> Acknowledged:
         """What the ``training`` consumer processed (lock held: reads the current state)."""
@@ -1183,6 +1306,7 @@ class Coordinator:
                 "journal": dict(self._journal.metrics),
                 "recovery_seconds": self.recovery_seconds,
                 "counters": dict(self._counters),
+                "snapshot_error": repr(self._snapshot_error) if self._snapshot_error else None,
             }
 
         out = dict(self._query(read))
@@ -1217,6 +1341,10 @@ class Coordinator:
             if self._closed:
                 return
             self._closed = True
+        # A background snapshot ends before the journal closes: once the segment switch is
+        # done it gives up at its next frame (J5.3), so this waits for little.
+        self._await_snapshot()
+        with self._lock:
             try:
                 if (
                     self._broken is None

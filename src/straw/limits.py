@@ -184,6 +184,10 @@ JOURNAL_SYNCS_IN_FLIGHT = 2
 #: pending list, and the catalog frame that records it, small.
 ADOPTIONS_PENDING_MAX = 4096
 
+#: Completions one ``complete_tasks`` call may carry: they are one journal transaction (one
+#: frame of about a kilobyte each), so a batch stays a frame that replay reads in one piece.
+COMPLETIONS_PER_CALL_MAX = 16384
+
 #: Largest request body the control transport (straw.rpc) reads: control messages only,
 #: but a task's metadata may be large (TASK_METADATA_BYTES_MAX bounds one task; a request of
 #: many tasks is bounded here, so one client cannot make the server buffer without end).

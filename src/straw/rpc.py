@@ -43,6 +43,7 @@ METHODS = frozenset(
         "acquire",
         "heartbeat",
         "complete_task",
+        "complete_tasks",
         "fail_task",
         "release_tasks",
         "yield_task",

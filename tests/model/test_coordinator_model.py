@@ -264,6 +264,61 @@ class CoordinatorModel(RuleBasedStateMachine):
             self.acked[submission] = Acked(lease, ref, receipt)
             task.state = "completed"
 
+    @rule(indexes=st.lists(INDEX, min_size=1, max_size=4), stale=st.booleans(), retries=st.integers(0, 2))
+    def complete_many(self, indexes: list[int], stale: bool, retries: int) -> None:
+        """``complete_tasks``: all entries accepted in order at consecutive positions, or the
+        first refused entry's error and nothing accepted; accepted submissions in the batch
+        (``retries`` of them, at the front) answer their original receipts."""
+        leases = [lease for lease in (self._pick_lease(i, stale) for i in indexes) if lease is not None]
+        old = sorted(self.acked)[:retries]
+        entries: list[dict[str, Any]] = []
+        expected: list[CommitReceipt | None] = []
+        for submission in old:
+            acked = self.acked[submission]
+            entries.append(
+                {
+                    "lease": acked.lease,
+                    "submission_id": submission,
+                    "result_ref": acked.ref,
+                    "result_digest": acked.ref.digest,
+                }
+            )
+            expected.append(acked.receipt)
+        refused: type[Exception] | None = None
+        taken: set[str] = set()
+        for lease in leases:
+            submission = self._fresh("sub")
+            ref = qh.result_for(self.store, lease, submission_id=submission, payload=submission.encode())
+            entries.append(
+                {"lease": lease, "submission_id": submission, "result_ref": ref, "result_digest": ref.digest}
+            )
+            expected.append(None)
+            task = self._current(lease)
+            if refused is None and (task is None or lease.task_id in taken):
+                refused = StaleAttempt
+            elif refused is None and self.clock.now >= task.deadline:  # type: ignore[union-attr]
+                refused = LeaseExpired
+            taken.add(lease.task_id)
+        if refused is not None:
+            with pytest.raises(refused, match="complete_tasks entry"):
+                self.coord.complete_tasks(entries)
+            return
+        receipts = self.coord.complete_tasks(entries)
+        assert len(receipts) == len(entries)
+        for item, receipt, known in zip(entries, receipts, expected, strict=True):
+            if known is not None:
+                assert receipt == known
+                continue
+            task = self.tasks[item["lease"].task_id]
+            assert (receipt.position, receipt.task_id, receipt.digest) == (
+                len(self.commits),
+                task.task_id,
+                item["result_digest"],
+            )
+            self.commits.append((task.task_id, item["submission_id"], item["result_digest"]))
+            self.acked[item["submission_id"]] = Acked(item["lease"], item["result_ref"], receipt)
+            task.state = "completed"
+
     def _retry_completion(self, index: int) -> None:
         submission = sorted(self.acked)[index % len(self.acked)]
         acked = self.acked[submission]

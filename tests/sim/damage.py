@@ -113,7 +113,7 @@ def expectation(damage: Damage, pristine: bytes, needed: set[str]) -> str:
     if damage.kind == "pack-header" and damage.op == "delete" and damage.path not in needed:
         return "harmless"
     if damage.kind == "journal-older" and damage.op == "truncate" and damage.at >= _frames_end(pristine)[1]:
-        return "harmless"  # an older segment's zeros (a crash before the cut, J5.3): no frame lost
+        return "harmless"  # an older segment's zeros (a crash before the cut, J5.2): no frame lost
     if damage.kind in ("journal-newest", "catalog-log") and damage.op in ("truncate", "flip"):
         start, end = _frames_end(pristine)
         if damage.op == "truncate" and damage.at >= end + LOG_END_ZEROS_MIN:

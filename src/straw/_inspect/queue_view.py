@@ -17,6 +17,7 @@ from .._fs import posix
 from .._journal import frame as journal_frame
 from .._journal import scan
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
+from .._queue.progress import acknowledged
 from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
 from ..protocol import as_dict, decode
 from .journal_scan import JournalScan, scan_journal
@@ -118,7 +119,7 @@ def load_queue(root: str, directory: str) -> QueueView:
             break
         except FileNotFoundError:
             # A live coordinator replaced a segment or snapshot between the listing and the
-            # read (J5.4): read the journal again from its new listing.
+            # read (J5.5): read the journal again from its new listing.
             if attempt == JOURNAL_READS_MAX - 1:
                 raise
     view.problems += view.journal.problems
@@ -303,10 +304,10 @@ def root_refs(
 
 
 def _acknowledged(state: QueueState, positions: set[int]) -> Callable[[int], bool]:
-    """Whether the training consumer acknowledged an accepted result (its cursor or ``positions``)."""
+    """Whether the training consumer acknowledged an accepted result: the coordinator's rule
+    (``straw._queue.progress.acknowledged``), with ``positions`` from its progress record."""
     consumer = state.consumers.get(TRAINING)
-    cursor = int(consumer.state["processed_cursor"]) if consumer and consumer.state else 0
-    return lambda p: p < cursor or p in positions
+    return acknowledged(consumer.state if consumer else None, (positions, ())).covers
 
 
 def ref_key(ref: Any) -> str:

@@ -74,6 +74,10 @@ class Journal:
         # it and every batch before it synced (A3: a later sync proves nothing about earlier bytes).
         self._inflight: deque[list[Any]] = deque()
         self._failed: BaseException | None = None
+        #: A segment switch in progress (J5.1): the last frame of the current segment and the
+        #: chain after it. Frames after it are written only once :meth:`switch` started the next.
+        self._switch_at: int | None = None
+        self._switch_chain = b""
         self.segment_first_seq = 1
         self._allocated = 0
         self.bytes_since_snapshot = 0
@@ -130,7 +134,7 @@ class Journal:
             applied[0] = seq
 
         try:
-            walked = scan.walk_journal(self.directory, self.tag, applying, loaded)
+            walked = scan.walk_journal(self.directory, self.tag, applying, loaded, upto=upto)
         except _Reached:
             return Recovered(
                 snapshot[-1] if snapshot else None, self.segment_first_seq, applied[0], b"", None
@@ -188,8 +192,13 @@ class Journal:
         """Begin a new segment after the last durable frame (after recovery or a snapshot)."""
         invariant(not self._pending and self._durable == self._next_seq - 1, "no frame is in flight")
         first = self._next_seq
+        fd, allocated = self._create_segment(first, self._chain)
+        self._replace_segment(fd, allocated, first)
+
+    def _create_segment(self, first: int, chain: bytes) -> tuple[int, int]:
+        """J1.1: segment ``first`` made durable with its zeros ahead; its descriptor and size."""
         path = os.path.join(self.wal, _name(first, ".wal"))
-        header = frame.encode_segment_header(frame.SEGMENT_MAGIC, first, self._chain, self.tag)
+        header = frame.encode_segment_header(frame.SEGMENT_MAGIC, first, chain, self.tag)
         allocated = frame.SEGMENT_HEADER_BYTES + JOURNAL_PREALLOC_BYTES
         if posix.exists(path):
             # A segment that starts here but holds no frame (replay ended before its first frame):
@@ -214,7 +223,11 @@ class Journal:
             durable.create_file(
                 path, [header, bytes(JOURNAL_PREALLOC_BYTES)], self.backend.sync_file, self.backend.sync_dir
             )
-        fd = posix.open_append(path)
+        return posix.open_append(path), allocated
+
+    def _replace_segment(self, fd: int, allocated: int, first: int) -> None:
+        """Append to segment ``first`` (``fd``) from now on; the previous one ends at its last frame."""
+        path = os.path.join(self.wal, _name(first, ".wal"))
         old, old_end = self._fd, self._offset
         if old >= 0 and self._allocated > old_end:
             # The previous segment ends at its last frame again (a crash before this leaves a
@@ -300,7 +313,15 @@ class Journal:
         with self._cv:
             while self._durable < seq:
                 self._check_failed()
-                if seq > self._written and not self._writing and self._syncing < JOURNAL_SYNCS_IN_FLIGHT:
+                # While a switch is pending, only the frames up to its point may be written
+                # here; the ones after it wait for the next segment (J5.2).
+                switching = self._switch_at is not None and self._written >= self._switch_at
+                if (
+                    seq > self._written
+                    and not self._writing
+                    and not switching
+                    and self._syncing < JOURNAL_SYNCS_IN_FLIGHT
+                ):
                     self._flush_locked()
                 else:
                     self._cv.wait()
@@ -320,6 +341,10 @@ class Journal:
         self._cv.acquire()
         batch, last, offset, fd = self._pending, self._next_seq - 1, self._offset, self._fd
         self._pending = []
+        if self._switch_at is not None and last > self._switch_at:
+            # J5.2: this segment ends at the switch point; the rest waits for the next one.
+            cut = 2 * (self._switch_at - self._written)  # a header and a body per frame
+            batch, self._pending, last = batch[:cut], batch[cut:], self._switch_at
         self._cv.release()
         error: BaseException | None = None
         written = 0
@@ -400,6 +425,99 @@ class Journal:
 
     # -- snapshots (J5) -----------------------------------------------------------------
 
+    def request_switch(self) -> tuple[int, bytes]:
+        """J5.1, no I/O (the coordinator's lock is held): the current segment ends with the last
+        frame framed so far; frames framed from now on go to the next segment, which
+        :meth:`switch` starts. Returns that last frame's sequence number and chain value."""
+        with self._cv:
+            self._check_failed()
+            invariant(self._switch_at is None, "one segment switch at a time")
+            self._switch_at, self._switch_chain = self._next_seq - 1, self._chain
+            self.bytes_since_snapshot = 0
+            return self._switch_at, self._switch_chain
+
+    def switch(self) -> None:
+        """J5.2: once every frame up to the switch point is durable, start the next segment by
+        D0 and cut this one at its last frame. Frames after the point wait only for this, and
+        appends go on meanwhile. A failure before the next segment's name exists gives the
+        switch up (frames go on here); any later one stops the journal (J3): the next segment
+        may be half made, and nothing may be appended where a recovery would not continue."""
+        with self._cv:
+            at, chain = self._switch_at, self._switch_chain
+        if at is None:
+            return  # no switch requested
+        try:
+            self.wait(at)
+            with self._cv:
+                while self._writing or self._syncing:  # the old descriptor's syncs end first
+                    self._check_failed()
+                    self._cv.wait()
+                self._check_failed()
+                self._writing = True
+        except BaseException as error:
+            with self._cv:
+                self._failed = self._failed or error
+                self._cv.notify_all()
+            raise
+        first, created = at + 1, False
+        try:
+            self.backend.fault("before_segment_switch")
+            try:
+                fd, allocated = self._create_segment(first, chain)
+            except BaseException:
+                created = self._visible(first)
+                raise
+            created = True
+            self._replace_segment(fd, allocated, first)  # the writer role keeps others out
+            self.backend.fault("after_segment_switch")
+        except BaseException as error:
+            if created:
+                with self._cv:
+                    self._failed = error
+            # Else nothing visible changed (a full disk making the segment's temporary file):
+            # the switch is given up and frames go on in this segment.
+            raise
+        finally:
+            with self._cv:
+                self._writing = False
+                self._switch_at = None
+                self._cv.notify_all()
+
+    def _visible(self, first: int) -> bool:
+        """Whether segment ``first`` may exist (True when that cannot even be checked)."""
+        try:
+            return posix.exists(os.path.join(self.wal, _name(first, ".wal")))
+        except OSError:
+            return True
+
+    def write_snapshot_at(self, seq: int, chain: bytes, body: bytes) -> None:
+        """J5.4-J5.5, after :meth:`switch` started segment ``seq + 1``: persist the state as of
+        frame ``seq`` (``chain`` after it) by D0, then drop the files it makes redundant. A
+        failure before the snapshot is durable changes nothing; the tidying may fail silently."""
+        header = frame.encode_segment_header(frame.SNAPSHOT_MAGIC, seq, chain, self.tag)
+        frame_header, _ = frame.encode_frame(seq, chain, body)
+        path = os.path.join(self.snap, _name(seq, ".snap"))
+        self.backend.fault("before_snapshot_write")
+        durable.replace_file(
+            path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
+        )
+        self.backend.fault("after_snapshot_write")
+        with self._cv:
+            self.snapshot_bytes = len(header) + len(frame_header) + len(body)
+            self.metrics["snapshots"] += 1
+        self._prune(seq, seq + 1)
+
+    def _prune(self, snapshot_seq: int, first_kept: int) -> None:
+        """J5.5: delete snapshots before ``snapshot_seq`` and segments before ``first_kept``."""
+        for old_seq, old in _listing(self.snap, ".snap"):
+            if old_seq < snapshot_seq:
+                posix.unlink_quietly(old)
+        for first, old in _listing(self.wal, ".wal"):
+            if first < first_kept:
+                posix.unlink_quietly(old)
+        self.backend.sync_dir(self.snap)
+        self.backend.sync_dir(self.wal)
+
     def write_snapshot(self, body: bytes) -> None:
         """Persist the state as of the last durable frame, start a new segment, drop the old files."""
         self._quiesce()
@@ -420,15 +538,8 @@ class Journal:
             # nothing is appended to a segment a recovery would not continue from.
             self._failed = error
             raise
-        # The snapshot and the new segment are durable; older files are no longer needed (J5.4).
-        for old_seq, old in _listing(self.snap, ".snap"):
-            if old_seq < seq:
-                posix.unlink_quietly(old)
-        for first, old in _listing(self.wal, ".wal"):
-            if first < self.segment_first_seq:
-                posix.unlink_quietly(old)
-        self.backend.sync_dir(self.snap)
-        self.backend.sync_dir(self.wal)
+        # The snapshot and the new segment are durable; older files are no longer needed (J5.5).
+        self._prune(seq, self.segment_first_seq)
         self.bytes_since_snapshot = 0
         self.snapshot_bytes = len(header) + len(frame_header) + len(body)
         self.metrics["snapshots"] += 1

@@ -169,6 +169,7 @@ def walk_journal(
     load: Callable[[bytes], None],
     *,
     base: str = "",
+    upto: int | None = None,
 ) -> JournalWalk:
     """Walk ``directory``'s newest snapshot and every segment after it (DURABILITY.md J4, J7).
 
@@ -176,16 +177,20 @@ def walk_journal(
     at the first problem (``JournalWalk.problem``): the caller raises it (recovery) or
     reports it (``straw check``); a torn tail of the last segment is left for the caller
     (``JournalWalk.end``). Paths in messages are relative to ``base`` when given.
-    Raises ``OSError`` only when a file cannot be read.
+    Raises ``OSError`` only when a file cannot be read. With ``upto``, segments that start
+    after frame ``upto`` are not read (a live appender may be writing them; J3.2, J5.3).
     """
-    return _Walker(directory, tag, apply, base).run(load)
+    return _Walker(directory, tag, apply, base, upto).run(load)
 
 
 class _Walker:
     """One walk of a journal directory (the state :func:`walk_journal` threads through segments)."""
 
-    def __init__(self, directory: str, tag: bytes, apply: Callable[[int, bytes], None], base: str) -> None:
+    def __init__(
+        self, directory: str, tag: bytes, apply: Callable[[int, bytes], None], base: str, upto: int | None
+    ) -> None:
         self.directory, self.tag, self.apply, self.base = directory, tag, apply, base
+        self.upto = upto
         self.result = JournalWalk(chain=frame.genesis_chain(tag))
         self.continued = False  # a segment starts right after the snapshot, or holds its frame
         self.snapshot_chain = self.result.chain
@@ -221,11 +226,13 @@ class _Walker:
         result.live = result.segments[start:]
         running: Position | None = None
         for number, (first, path) in enumerate(result.live):
+            if self.upto is not None and first > self.upto:
+                break  # a segment of frames past ``upto``: never read (module docs)
             running = self.segment(first, path, running, number == len(result.live) - 1)
             if running is None:
                 return result
         if result.snapshot_path is not None and not self.continued:
-            # J5.3 makes the next segment durable before anything older is deleted: a snapshot
+            # J5.2 makes the next segment durable before anything older is deleted (J5.5): a snapshot
             # that no segment continues lost the segment holding the frames after it.
             where = result.live[-1][1] if result.live else result.snapshot_path
             return self.stop(

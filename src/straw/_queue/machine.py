@@ -27,6 +27,7 @@ from ..errors import (
     IdempotencyConflict,
     InvalidReference,
     LeaseExpired,
+    QueueError,
     ResourceLimitExceeded,
     StaleAttempt,
     StorageUnavailable,
@@ -41,6 +42,10 @@ from .index import Key, PendingIndex, pending_key
 
 Event = dict[str, Any]
 NewId = Callable[[], str]
+#: One entry of ``complete_tasks``: lease, submission id, result, its digest, the packs it reaches.
+Completion = tuple[Lease, str, RecordSetRef, str, Iterable[str]]
+#: What ``check_complete_many`` plans for an entry: its known receipt, or its place in the event.
+Planned = tuple[str, Any]
 R = TypeVar("R")
 
 
@@ -549,6 +554,66 @@ class QueueState:
         self.submissions[event["submission_id"]] = receipt["position"]
         self._prune_expiry()
         return receipt
+
+    def check_complete_many(
+        self, entries: Sequence[Completion], now: float, new_id: NewId, *, precheck: bool = False
+    ) -> tuple[Event | None, list[Planned]]:
+        """``complete_tasks``: each entry checked exactly as :meth:`check_complete` would, in order,
+        as if the earlier entries had been applied; the first error raises and nothing is done.
+
+        Returns the event of the entries not yet accepted (None when every one is a retry)
+        and, per entry, its plan: ``("known", receipt)`` for an accepted submission, or
+        ``("new", k)`` for the k-th completion of the event (a submission named twice in the
+        batch, identically, is planned once). With ``precheck``, only the cheap checks of
+        :meth:`precheck_complete` run (before the results are validated) and no event is made.
+        """
+        plans: list[Planned] = []
+        completes: list[Event] = []
+        fresh: dict[str, tuple[int, str, str]] = {}  # submission id -> (k, task id, digest)
+        taken: set[str] = set()  # tasks completed by an earlier entry of this batch
+        for number, entry in enumerate(entries):
+            lease, submission_id, result_ref, result_digest, packs = entry
+            try:
+                earlier = fresh.get(submission_id)
+                if earlier is not None:
+                    if earlier[1:] != (lease.task_id, result_digest):
+                        raise IdempotencyConflict(
+                            f"submission {submission_id!r} is named twice in this batch, for task "
+                            f"{earlier[1]!r} and task {lease.task_id!r} (or with another digest)"
+                        )
+                    plans.append(("new", earlier[0]))
+                    continue
+                if lease.task_id in taken:
+                    raise StaleAttempt(
+                        f"task {lease.task_id!r} is completed by an earlier entry of this batch; "
+                        f"attempt {lease.attempt_id!r} is no longer current"
+                    )
+                found: Event | Answer | None
+                if precheck:
+                    found = self.precheck_complete(lease, submission_id, result_ref, result_digest, now)
+                else:
+                    found = self.check_complete(
+                        lease, submission_id, result_ref, result_digest, now, new_id, packs
+                    )
+            except (QueueError, ValueError, TypeError) as error:
+                # The same error class complete_task raises, naming the entry that caused it.
+                raise type(error)(f"complete_tasks entry {number}: {error}") from None
+            if isinstance(found, Answer):
+                plans.append(("known", found.value))
+                continue
+            if found is None:
+                found = {}  # a precheck: the entry is new, its event is made after validation
+            found.pop("op", None)
+            fresh[submission_id] = (len(completes), lease.task_id, result_digest)
+            taken.add(lease.task_id)
+            plans.append(("new", len(completes)))
+            completes.append(found)
+        event = {"op": "complete_many", "completes": completes} if completes and not precheck else None
+        return event, plans
+
+    def _apply_complete_many(self, event: Event) -> list[dict[str, Any]]:
+        """The completions of one ``complete_tasks`` transaction, in order (their receipts)."""
+        return [self._apply_complete(item) for item in event["completes"]]
 
     # ------------------------------------------------------------------ returning work
 
@@ -1270,6 +1335,7 @@ _APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
     "submit": QueueState._apply_submit,
     "acquire": QueueState._apply_acquire,
     "complete": QueueState._apply_complete,
+    "complete_many": QueueState._apply_complete_many,
     "fail": QueueState._apply_fail,
     "release": QueueState._apply_release,
     "yield": QueueState._apply_yield,

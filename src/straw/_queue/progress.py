@@ -5,12 +5,16 @@ API.md section 7: the ``training`` consumer's ``progress_ref`` names one
 [...]}``; with ``processed_cursor`` it acknowledges accepted results for GC.
 The coordinator checks it when it is saved (so a malformed record is refused
 before it is journaled), garbage collection and ``straw check`` read it back
-through :func:`parse_progress`, and all three agree on what it means.
+through :func:`parse_progress`, and all three agree on what it means:
+:func:`acknowledged` is the one rule that turns a consumer state and its record
+into the accepted results it acknowledges.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CorruptData, UnsupportedSchema
 from ..protocol import Record, decode
@@ -48,3 +52,30 @@ def parse_progress(records: Sequence[Record]) -> tuple[set[int], set[str]]:
     if not isinstance(finished, list) or any(not isinstance(b, str) for b in finished):
         raise UnsupportedSchema("finished_batches of a progress record must be batch id strings")
     return set(positions), set(finished)
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """Accepted results the ``training`` consumer processed: every position below ``cursor``
+    and those in ``positions`` (all at or above it); ``finished`` batches (API.md section 7)."""
+
+    cursor: int
+    positions: frozenset[int]
+    finished: frozenset[str]
+
+    def covers(self, position: int) -> bool:
+        return position < self.cursor or position in self.positions
+
+
+def acknowledged(
+    state: Mapping[str, Any] | None, progress: tuple[Iterable[int], Iterable[str]] = ((), ())
+) -> Acknowledged:
+    """What a ``training`` consumer state acknowledges: its ``processed_cursor``, plus the
+    positions and batches its progress record lists (``progress``, as :func:`parse_progress`
+    returns them; empty without one). The one rule the coordinator's collection, its history
+    release and ``straw check`` share (docs/GC.md "Queue roots"); no state acknowledges nothing."""
+    if state is None:
+        return Acknowledged(0, frozenset(), frozenset())
+    cursor = int(state["processed_cursor"])
+    positions, finished = progress
+    return Acknowledged(cursor, frozenset(p for p in positions if p >= cursor), frozenset(finished))

@@ -15,17 +15,20 @@ from typing import Any
 
 from ..errors import ResourceLimitExceeded
 from ..limits import (
+    COMPLETIONS_PER_CALL_MAX,
     FAILURE_BYTES_MAX,
     NESTING_DEPTH_MAX,
     PRODUCER_STATE_BYTES_MAX,
     QUEUE_ID_BYTES_MAX,
 )
-from ..protocol import Lease, check_text, encode
+from ..protocol import Lease, RecordSetRef, check_text, encode
 
 #: Keys an update of ``yield_tasks`` may carry (API.md section 7).
 YIELD_KEYS = frozenset({"lease", "input_ref", "priority", "scheduling_key", "metadata"})
 #: Keys an update of ``save_task_progress_many`` carries.
 PROGRESS_KEYS = frozenset({"lease", "input_ref"})
+#: Keys every entry of ``complete_tasks`` carries (the keyword arguments of ``complete_task``).
+COMPLETION_KEYS = ("lease", "submission_id", "result_ref", "result_digest")
 
 
 def text(value: object, what: str, limit: int = QUEUE_ID_BYTES_MAX) -> str:
@@ -165,4 +168,44 @@ def updates(
             raise ValueError(f"{what} got the same task twice ({lease.task_id!r})")
         seen.add(lease.task_id)
         out.append(dict(item))
+    return out
+
+
+def completions(items: object) -> list[tuple[Lease, str, RecordSetRef, str]]:
+    """Entries of ``complete_tasks``: mappings with exactly ``COMPLETION_KEYS``, each value of
+    the type ``complete_task`` takes (``lease`` and ``result_ref`` may be their ``asdict``
+    forms, as the control transport sends them). Errors name the entry."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise TypeError(f"complete_tasks takes a list of completion mappings, got {type(items).__name__}")
+    out: list[tuple[Lease, str, RecordSetRef, str]] = []
+    for number, item in enumerate(items):
+        if len(out) >= COMPLETIONS_PER_CALL_MAX:
+            raise ResourceLimitExceeded(
+                f"complete_tasks takes at most {COMPLETIONS_PER_CALL_MAX} completions per call"
+            )
+        where = f"complete_tasks entry {number}"
+        if not isinstance(item, Mapping):
+            raise TypeError(f"{where} is a {type(item).__name__}, not a mapping")
+        keys = set(item)
+        if keys != set(COMPLETION_KEYS):
+            unknown = sorted(str(k) for k in keys - set(COMPLETION_KEYS))
+            missing = [k for k in COMPLETION_KEYS if k not in keys]
+            raise ValueError(
+                f"{where}: unknown keys {unknown}, missing {missing} (it takes {COMPLETION_KEYS})"
+            )
+        lease, ref, digest = item["lease"], item["result_ref"], item["result_digest"]
+        try:
+            if isinstance(lease, Mapping):
+                lease = Lease.from_dict(lease)
+            if isinstance(ref, Mapping):
+                ref = RecordSetRef.from_dict(ref)
+        except (KeyError, TypeError, ValueError) as error:
+            raise TypeError(f"{where}: its lease or result_ref dict is not one: {error!r}") from None
+        if not isinstance(lease, Lease):
+            raise TypeError(f"{where}: lease must be a Lease, got {type(lease).__name__}")
+        if not isinstance(ref, RecordSetRef):
+            raise TypeError(f"{where}: result_ref must be a RecordSetRef, got {type(ref).__name__}")
+        if not isinstance(digest, str):
+            raise TypeError(f"{where}: result_digest must be a string, got {type(digest).__name__}")
+        out.append((lease, text(item["submission_id"], f"{where} submission_id"), ref, digest))
     return out
