@@ -40,7 +40,7 @@ import time
 
 from straw import coordinator as coordinator_module
 from straw.coordinator import Coordinator
-from straw.protocol import Publication, Record, TaskSpec
+from straw.protocol import Lease, Publication, Record, RecordSetRef, TaskSpec
 from straw.store import SharedFilesystemStore
 
 SUBMIT_BATCH = 1000
@@ -49,6 +49,19 @@ ACQUIRE_SAMPLES = 2000
 BACKLOG = 8192
 #: A complete_task slower than this counts as a stall.
 STALL_S = 0.1
+
+
+def publish_results(store: SharedFilesystemStore, leases: list[Lease]) -> list[RecordSetRef]:
+    """One small result per lease, published as one batch (the workload's publish step)."""
+    return store.publish_many(
+        [
+            Publication(
+                (Record("r", b"x" * 64, metadata={"task_id": x.task_id, "attempt_id": x.attempt_id}),)
+            )
+            for x in leases
+        ],
+        submission_id=f"p-{leases[0].task_id}",
+    )
 
 
 def _fresh(root: str, name: str) -> str:
@@ -110,21 +123,7 @@ def _complete_many(queue: Coordinator, store: SharedFilesystemStore, count: int,
                 if got.status != "acquired":
                     return
                 leases = [a.lease for a in got.assignments]
-                refs = own.publish_many(
-                    [
-                        Publication(
-                            (
-                                Record(
-                                    "r",
-                                    b"x" * 64,
-                                    metadata={"task_id": x.task_id, "attempt_id": x.attempt_id},
-                                ),
-                            )
-                        )
-                        for x in leases
-                    ],
-                    submission_id=f"p-{leases[0].task_id}",
-                )
+                refs = publish_results(own, leases)
                 for lease, ref in zip(leases, refs, strict=True):
                     queue.complete_task(
                         lease, submission_id=f"c-{lease.task_id}", result_ref=ref, result_digest=ref.digest
@@ -246,21 +245,7 @@ def _history_workers(
                 if got.status != "acquired":
                     return
                 leases = [a.lease for a in got.assignments]
-                refs = own.publish_many(
-                    [
-                        Publication(
-                            (
-                                Record(
-                                    "r",
-                                    b"x" * 64,
-                                    metadata={"task_id": x.task_id, "attempt_id": x.attempt_id},
-                                ),
-                            )
-                        )
-                        for x in leases
-                    ],
-                    submission_id=f"p-{leases[0].task_id}",
-                )
+                refs = publish_results(own, leases)
                 if batched:  # one complete_tasks call (one transaction) for the whole batch
                     c0 = time.perf_counter()
                     queue.complete_tasks(

@@ -494,6 +494,14 @@ class Journal:
         """J5.4-J5.5, after :meth:`switch` started segment ``seq + 1``: persist the state as of
         frame ``seq`` (``chain`` after it) by D0, then drop the files it makes redundant. A
         failure before the snapshot is durable changes nothing; the tidying may fail silently."""
+        written = self._persist_snapshot(seq, chain, body)
+        with self._cv:
+            self.snapshot_bytes = written
+            self.metrics["snapshots"] += 1
+        self._prune(seq, seq + 1)
+
+    def _persist_snapshot(self, seq: int, chain: bytes, body: bytes) -> int:
+        """D0: ``snap/<seq>.snap`` holds the state as of frame ``seq``; its size in bytes."""
         header = frame.encode_segment_header(frame.SNAPSHOT_MAGIC, seq, chain, self.tag)
         frame_header, _ = frame.encode_frame(seq, chain, body)
         path = os.path.join(self.snap, _name(seq, ".snap"))
@@ -502,10 +510,7 @@ class Journal:
             path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
         )
         self.backend.fault("after_snapshot_write")
-        with self._cv:
-            self.snapshot_bytes = len(header) + len(frame_header) + len(body)
-            self.metrics["snapshots"] += 1
-        self._prune(seq, seq + 1)
+        return len(header) + len(frame_header) + len(body)
 
     def _prune(self, snapshot_seq: int, first_kept: int) -> None:
         """J5.5: delete snapshots before ``snapshot_seq`` and segments before ``first_kept``."""
@@ -523,14 +528,7 @@ class Journal:
         self._quiesce()
         invariant(not self._pending and self._durable == self._next_seq - 1, "snapshot of a durable state")
         seq, chain = self._durable, self._chain
-        header = frame.encode_segment_header(frame.SNAPSHOT_MAGIC, seq, chain, self.tag)
-        frame_header, _ = frame.encode_frame(seq, chain, body)
-        path = os.path.join(self.snap, _name(seq, ".snap"))
-        self.backend.fault("before_snapshot_write")
-        durable.replace_file(
-            path, [header, frame_header, body], self.backend.sync_file, self.backend.sync_dir
-        )
-        self.backend.fault("after_snapshot_write")
+        written = self._persist_snapshot(seq, chain, body)
         try:
             self.start_segment()
         except BaseException as error:
@@ -541,5 +539,5 @@ class Journal:
         # The snapshot and the new segment are durable; older files are no longer needed (J5.5).
         self._prune(seq, self.segment_first_seq)
         self.bytes_since_snapshot = 0
-        self.snapshot_bytes = len(header) + len(frame_header) + len(body)
+        self.snapshot_bytes = written
         self.metrics["snapshots"] += 1
