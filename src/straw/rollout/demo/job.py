@@ -92,7 +92,7 @@ class DemoSettings:
     slots_per_node: int | None = None
     prefetch: int | None = None
     token_seconds: float = 0.001
-    decode_seconds: float = 0.15
+    decode_seconds: float = 0.12
     reward_log: str | None = None
     storage_declaration: str | None = None
 
