@@ -3,12 +3,16 @@
 A worker builds its generator from a factory on its own node; :class:`Scripted` picks its
 behaviour by the node it finds itself on, so one factory gives a cluster fast and slow nodes.
 :class:`Gate` is an asyncio actor that counts arrivals, so the driver can wait for "every
-worker is generating" on an event instead of a timer.
+worker is generating" on an event instead of a timer. :class:`OffsetClock` is a queue clock
+the test moves forward (a lease expires without anyone waiting for it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -85,4 +89,31 @@ class Scripted:
         self._aborted = asyncio.Event()
 
     def report(self) -> dict[str, Any]:
-        return {"node": self.node, "mode": self.mode, "calls": self.calls}
+        """Where this generator runs (node, worker process id) and what it did."""
+        return {"node": self.node, "mode": self.mode, "calls": self.calls, "pid": os.getpid()}
+
+
+class OffsetClock:
+    """``time.monotonic()`` plus a forward jump read from a file, for a controller in another process.
+
+    Picklable (it is only a path); :meth:`jump` moves every process's reading forward at
+    once, so the queue sees leases expire while the test waits for nothing.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+
+    def offset(self) -> float:
+        try:
+            return float(Path(self.path).read_text() or 0.0)
+        except FileNotFoundError:
+            return 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset()
+
+    def jump(self, seconds: float) -> None:
+        """Move the clock ``seconds`` forward (the new offset replaces the file in one rename)."""
+        scratch = Path(self.path + ".new")
+        scratch.write_text(repr(self.offset() + seconds))
+        os.replace(scratch, self.path)

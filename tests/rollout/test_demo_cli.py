@@ -69,6 +69,7 @@ def test_the_demo_runs_end_to_end_and_writes_its_plot_and_summary(tmp_path: Path
         (["--steps", "0"], "--steps must be a positive integer"),
         (["--nodes", "0"], "--nodes must be a positive integer"),
         (["--prompts-per-step", "3", "--samples-per-prompt", "1"], "split evenly over the trainer ranks"),
+        (["--decode-seconds", "-1"], "--decode-seconds must be between 0 and 10"),
     ],
 )
 def test_bad_demo_arguments_are_refused_before_anything_is_written(

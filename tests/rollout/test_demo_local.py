@@ -12,8 +12,9 @@ pytest.importorskip("aiohttp")
 
 from straw.rollout import Sample, SampleStatus  # noqa: E402
 from straw.rollout.demo import task  # noqa: E402
+from straw.rollout.demo.engine import BatchingEngine  # noqa: E402
 from straw.rollout.demo.local import PolicyGenerator, task_reward  # noqa: E402
-from straw.rollout.demo.policy import DemoPolicy, export_weights  # noqa: E402
+from straw.rollout.demo.policy import Decoding, DemoPolicy, export_weights  # noqa: E402
 from straw.rollout.demo.server import PolicyServer  # noqa: E402
 from straw.rollout.generators import SGLangGenerator  # noqa: E402
 
@@ -147,3 +148,28 @@ def test_the_task_jsonl_feeds_the_generator_and_the_trainer(tmp_path) -> None:
     }
     metrics = GrpoTrainer(policy).step(batch)
     assert metrics["log_prob_gap"] < 1e-5  # the generator's routes and log-probs replay exactly
+
+
+def test_a_paced_engine_holds_each_decoding_step_and_an_abort_ends_the_wait() -> None:
+    async def main() -> None:
+        policy = DemoPolicy(seed=3)
+        with pytest.raises(ValueError, match="step_seconds must be a finite number"):
+            BatchingEngine(policy, step_seconds=-0.1)
+        engine = BatchingEngine(policy, step_seconds=3600.0)  # a step far longer than the test
+        await engine.start()
+        decoding = Decoding(policy, task.encode_prompt(TEXT), max_new_tokens=4, seed=1, stop_tokens=())
+        job = engine.submit(decoding)
+        await asyncio.wait_for(job.progress.wait(), 30)  # the first step ran
+        job.progress.clear()
+        # Unpaced, the other three tokens would follow within milliseconds; paced, the loop waits.
+        done, _ = await asyncio.wait([asyncio.ensure_future(job.progress.wait())], timeout=0.3)
+        assert not done and len(decoding.new_tokens) == 1 and not job.finished
+        engine.abort(lambda j: True)
+        await asyncio.wait_for(engine.follow(job), 30)  # ended at once, with the token it had
+        assert len(decoding.new_tokens) == 1 and engine.stats["aborted"] == 1
+        again = engine.submit(Decoding(policy, task.encode_prompt(TEXT), max_new_tokens=4, seed=2))
+        await asyncio.wait_for(again.progress.wait(), 30)
+        await asyncio.wait_for(engine.close(), 30)  # closing ends a paced wait too
+        assert again.finished
+
+    asyncio.run(main())

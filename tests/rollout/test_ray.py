@@ -16,8 +16,10 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +34,7 @@ import ray._private.ray_constants
 from ray.cluster_utils import Cluster
 
 from juicefs_mount import wait_until
-from ray_helpers import PARTIAL_TOKENS, Gate, Scripted
+from ray_helpers import PARTIAL_TOKENS, Gate, OffsetClock, Scripted
 from straw.protocol import RecordSetRef
 from straw.rollout.config import RolloutConfig
 from straw.rollout.hooks import Hooks
@@ -83,8 +85,10 @@ def node_ids() -> list[str]:
 class Job:
     """A controller actor, its data source and (once made) a distributed rollout; all closed at the end."""
 
-    def __init__(self, config: RolloutConfig) -> None:
-        self.client = controller_actor(config, dataset_factory=[{"input": f"prompt {i}"} for i in range(200)])
+    def __init__(self, config: RolloutConfig, clock: Callable[[], float] | None = None) -> None:
+        self.client = controller_actor(
+            config, dataset_factory=[{"input": f"prompt {i}"} for i in range(200)], clock=clock
+        )
         self.config = self.client.config
         self.source = QueueDataSource(self.config, controller=self.client)
         self.rollout: DistributedRollout | None = None
@@ -118,9 +122,9 @@ class Job:
 def open_job(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., Job]]:
     made: list[Job] = []
 
-    def open_(**flags: Any) -> Job:
+    def open_(clock: Callable[[], float] | None = None, **flags: Any) -> Job:
         flags.setdefault("rollout_data_dir", str(tmp_path / "pool"))
-        job = Job(RolloutConfig.from_args(SimpleNamespace(**flags)))
+        job = Job(RolloutConfig.from_args(SimpleNamespace(**flags)), clock)
         made.append(job)
         return job
 
@@ -308,6 +312,86 @@ def test_a_killed_worker_loses_no_accepted_group_and_its_leases_return(
     assert rollout.scheduler.capacity == 1
     # the dead worker's leased tasks were taken again by the surviving worker and completed
     assert held <= accepted_by(job, "fully_async_2", 40)
+
+
+def group_indices(output: Any) -> list[int]:
+    """The prompt group of every group of a rollout step, in batch order (one entry per group)."""
+    return [next(iter(iter_samples(group))).group_index for group in load_groups(output.groups)]
+
+
+def test_a_frozen_workers_leases_are_taken_again_only_after_they_expire(
+    open_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """A worker that stops without dying is noticed by nobody; only its leases' expiry frees its tasks.
+
+    SIGSTOP freezes two workers' processes: Ray still sees them alive and the scheduler's calls
+    to them just wait, so nobody retires them or revokes their leases (a killed actor, by
+    contrast, is reported at once and retired). fully_async_1 holds two leased groups it is
+    generating, fully_async_0 holds accepted groups no batch has taken. The survivor serves
+    the steps; the queue's clock then passes the leases' deadline, the survivor takes the frozen
+    worker's tasks again and completes them. SIGKILL finally ends the frozen processes: the
+    scheduler sees the loss and recovers fully_async_0's accepted groups. Every group reaches a
+    batch exactly once.
+    """
+    lease = 30.0  # longer than the test: no lease expires unless the queue's clock is moved
+    clock = OffsetClock(tmp_path / "queue-clock")
+    job = open_job(rollout_batch_size=1, rollout_queue_lease_seconds=lease, clock=clock)
+    nodes = node_ids()
+    # fully_async_0 (2 slots) completes at once; fully_async_1 (2 slots) blocks holding its leases.
+    rollout = job.start(scripted({nodes[1]: "block"}), total_concurrency=5)
+    pids = [int(report["pid"]) for report in rollout.call_generators("report")]
+    readers = ["fully_async_0", "fully_async_1", "fully_async_2"]
+    kept = group_indices(rollout.generate(0))
+    assert wait_until(lambda: len(accepted_by(job, "fully_async_0", 12) - set(kept)) >= 1, WAIT)
+    assert wait_until(lambda: len(leased_by(job, "fully_async_1", 12)) == 2, WAIT)
+    frozen = pids[:2]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        undelivered = accepted_by(job, "fully_async_0", 12) - set(kept)
+        held = {g: job.status(f"prompt:{g}") for g in leased_by(job, "fully_async_1", 12)}
+        for step in range(1, 4):  # the survivor serves these steps alone, taking fresh groups
+            kept += group_indices(rollout.generate(step))
+        assert rollout.scheduler.live_readers() == readers and rollout.scheduler.capacity == 5
+        for g, before in held.items():  # untouched: nobody revoked them and they have not expired
+            now = job.status(f"prompt:{g}")
+            assert now["state"] == "leased" and now["lease"] == before["lease"] and now["failures"] == 0
+        # The survivor holds no lease of its own now (its slot holds a finished group), so moving
+        # the queue's clock past every deadline expires only the frozen worker's leases.
+        assert wait_until(lambda: not leased_by(job, "fully_async_2", 40), WAIT)
+        clock.jump(lease + 1.0)
+
+        def taken_again() -> bool:
+            return all(job.status(f"prompt:{g}")["lease"]["worker_id"] == "fully_async_2" for g in held)
+
+        step, bound = 4, time.monotonic() + WAIT
+        while not taken_again() and step < 40 and time.monotonic() < bound:
+            kept += group_indices(rollout.generate(step))
+            step += 1
+        assert taken_again()
+        for g, before in held.items():
+            after = job.status(f"prompt:{g}")
+            old, new = before["lease"], after["lease"]
+            assert after["failures"] == 1  # the expired attempt was spent, as an expiry spends one
+            assert after["generation"] == before["generation"] + 1
+            assert new["attempt_id"] != old["attempt_id"]
+            assert new["coordinator_epoch"] == old["coordinator_epoch"]  # no recovery revoked it
+        # still nobody retired the frozen workers: expiry alone gave their tasks to the survivor
+        assert rollout.scheduler.live_readers() == readers
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    bound = time.monotonic() + WAIT
+    while not (undelivered | set(held)) <= set(kept) and step < 80 and time.monotonic() < bound:
+        kept += group_indices(rollout.generate(step))
+        step += 1
+    assert undelivered <= set(kept)  # the dead worker's accepted, undelivered groups reached a batch
+    assert set(held) <= set(kept)  # the expired tasks were completed by the survivor and trained
+    assert len(kept) == len(set(kept))  # no group reached two batches
+    assert rollout.scheduler.live_readers() == ["fully_async_2"] and rollout.scheduler.capacity == 1
+    for g in held:
+        assert job.status(f"prompt:{g}")["state"] == "completed"
 
 
 # --------------------------------------------------------------------------- the storage probe (scenario 59)

@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
     parser.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--decode-seconds", type=float, default=d.decode_seconds, metavar="S",
+        help=f"seconds per decoding step of the policy's engine, as on a serving engine "
+        f"(default {d.decode_seconds}; 0: as fast as the CPU computes)",
+    )  # fmt: skip
     parser.add_argument("--fresh", action="store_true", help="delete an earlier job in --dir first")
     # For the tests: a fake engine, no Ray, a reward log, and the child mode itself.
     parser.add_argument("--engine", choices=("policy", "copy"), default=d.engine, help=argparse.SUPPRESS)
@@ -99,6 +104,7 @@ def _settings(options: argparse.Namespace) -> Any:
         distributed=not options.local,
         seed=options.seed,
         token_seconds=options.token_seconds,
+        decode_seconds=options.decode_seconds,
         reward_log=os.path.abspath(options.reward_log) if options.reward_log else None,
         storage_declaration=os.path.abspath(options.storage_declaration)
         if options.storage_declaration
@@ -157,7 +163,7 @@ def _argv(options: argparse.Namespace) -> list[str]:
     argv += ["--save-interval", str(options.save_interval), "--seed", str(options.seed)]
     argv += ["--prompts-per-step", str(options.prompts_per_step)]
     argv += ["--samples-per-prompt", str(options.samples_per_prompt), "--engine", options.engine]
-    argv += ["--token-seconds", str(options.token_seconds)]
+    argv += ["--token-seconds", str(options.token_seconds), "--decode-seconds", str(options.decode_seconds)]
     for flag, value in (
         ("--pool", options.pool),
         ("--save", options.save),

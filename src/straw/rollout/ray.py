@@ -101,8 +101,19 @@ def _pinned(node_id: str) -> NodeAffinitySchedulingStrategy:
 class _ControllerServer:
     """The body of the controller actor: one QueueController, called by name."""
 
-    def __init__(self, config: RolloutConfig, restore_plan: Any, dataset_factory: Any) -> None:
-        self.controller = QueueController(config, dataset=dataset_factory, restore_plan=restore_plan)
+    def __init__(
+        self,
+        config: RolloutConfig,
+        restore_plan: Any,
+        dataset_factory: Any,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.controller = QueueController(
+            config,
+            dataset=dataset_factory,
+            restore_plan=restore_plan,
+            clock=clock if clock is not None else time.monotonic,
+        )
 
     def config(self) -> RolloutConfig:
         return self.controller.config
@@ -167,12 +178,18 @@ class RayControllerClient:
 
 
 def controller_actor(
-    config: RolloutConfig, *, restore_plan: Any = None, dataset_factory: Any = None
+    config: RolloutConfig,
+    *,
+    restore_plan: Any = None,
+    dataset_factory: Any = None,
+    clock: Callable[[], float] | None = None,
 ) -> RayControllerClient:
     """Start the job's controller in a 0-CPU actor pinned to this node and return its client.
 
     ``dataset_factory`` is a zero-argument callable building the ``Dataset`` on the actor
     (or a dataset itself, or None for ``--prompt-data``); it is pickled to the actor.
+    ``clock`` (picklable; default ``time.monotonic`` on the actor) drives the queue's leases,
+    as ``QueueController``'s does: tests move it forward to expire leases without waiting.
     """
     if not isinstance(config, RolloutConfig):
         raise TypeError(f"config= is a RolloutConfig, got {type(config).__name__}")
@@ -181,7 +198,7 @@ def controller_actor(
         max_concurrency=CONTROLLER_CONCURRENCY,
         max_restarts=0,
         scheduling_strategy=_pinned(_this_node()),
-    ).remote(config, restore_plan, dataset_factory)
+    ).remote(config, restore_plan, dataset_factory, clock)
     try:
         bound = ray.get(actor.config.remote())
     except BaseException:

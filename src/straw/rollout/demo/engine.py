@@ -6,6 +6,12 @@ stays free. Aborts, weight updates and new requests take effect between two step
 generation ends at once with what it generated, and a weight update never changes the weights
 under a running step. For tests the loop can park generations once they have a given number
 of tokens, which makes "abort in the middle of generating" a deterministic state.
+
+``step_seconds`` paces the loop like a serving engine, whose decoding step takes tens of
+milliseconds on its device while the host waits: a step that computed faster waits out the
+rest on an asyncio timer (the CPU stays free, an abort ends the wait). The tiny demo policy
+computes a step in about a millisecond, so without pacing a whole response is generated long
+before the trainer's next weight update and a pause would find nothing in flight to continue.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 
 from .policy import Decoding, DemoPolicy, import_weights, step_together
+from .simulated import wait_unless_set
 
 __all__ = ["BatchingEngine", "EngineBusy", "Job"]
 
@@ -59,17 +66,28 @@ class BatchingEngine:
     ``await start()`` inside the event loop that will use it, ``await close()`` at the end.
     """
 
-    def __init__(self, policy: DemoPolicy, *, weight_version: str = "0", max_running: int = 256) -> None:
+    def __init__(
+        self,
+        policy: DemoPolicy,
+        *,
+        weight_version: str = "0",
+        max_running: int = 256,
+        step_seconds: float = 0.0,
+    ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if not 0.0 <= step_seconds < float("inf"):
+            raise ValueError(f"step_seconds must be a finite number of seconds >= 0, got {step_seconds}")
         self.policy = policy
         self.weight_version = weight_version
         self.max_running = max_running
+        self.step_seconds = float(step_seconds)
         #: Counters: generations ``finished`` and ``aborted``.
         self.stats: dict[str, int] = {"finished": 0, "aborted": 0}
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self._interrupted = asyncio.Event()  # set by an abort or close: a paced wait ends early
         self._watch = asyncio.Condition()
         self._model_lock = asyncio.Lock()
         self._loading = False
@@ -140,6 +158,7 @@ class BatchingEngine:
                 job.abort_requested = True
                 count += 1
         self._changed.set()
+        self._interrupted.set()
         return count
 
     def consistent(self) -> AbstractAsyncContextManager[Any]:
@@ -217,6 +236,7 @@ class BatchingEngine:
             if not batch:
                 await self._changed.wait()
                 continue
+            began = asyncio.get_running_loop().time()
             async with self._model_lock:
                 for job in batch:
                     job.version = job.version or self.weight_version
@@ -233,6 +253,14 @@ class BatchingEngine:
                 job.progress.set()
                 if job.decoding.done:
                     self._finish(job)
+            await self._pace(began)
+
+    async def _pace(self, began: float) -> None:
+        """Wait out the rest of ``step_seconds`` since ``began``, unless an abort comes first."""
+        rest = self.step_seconds - (asyncio.get_running_loop().time() - began)
+        if rest > 0 and not self._closing:
+            self._interrupted.clear()
+            await wait_unless_set(self._interrupted, rest)
 
     async def _notify(self) -> None:
         async with self._watch:

@@ -92,6 +92,7 @@ class DemoSettings:
     slots_per_node: int | None = None
     prefetch: int | None = None
     token_seconds: float = 0.001
+    decode_seconds: float = 0.12
     reward_log: str | None = None
     storage_declaration: str | None = None
 
@@ -106,6 +107,8 @@ class DemoSettings:
             raise ValueError("the rows of a step must split evenly over the trainer ranks")
         if (self.slots_per_node is not None and self.slots_per_node < 1) or self.dataset_size < 1:
             raise ValueError("slots_per_node and dataset_size must be positive")
+        if not 0.0 <= self.decode_seconds <= 10.0:
+            raise ValueError(f"--decode-seconds must be between 0 and 10, got {self.decode_seconds!r}")
 
     @property
     def slots(self) -> int:
@@ -299,7 +302,14 @@ def inner_generator(settings: DemoSettings) -> tuple[Any, Callable[[Mapping[str,
     from .policy import DemoPolicy
 
     torch.set_num_threads(1)
-    generator = PolicyGenerator(DemoPolicy(seed=settings.seed), seed=settings.seed * 1_000_003, reward=reward)
+    generator = PolicyGenerator(
+        DemoPolicy(seed=settings.seed),
+        seed=settings.seed * 1_000_003,
+        reward=reward,
+        # Paced like a serving engine's decoding step, so a weight update finds generations in
+        # flight and the partials it keeps finish under the new weights (partials continued).
+        step_seconds=settings.decode_seconds,
+    )
     return generator, generator.aupdate_weights
 
 

@@ -38,7 +38,8 @@ class PolicyGenerator(EngineGenerator):
     :func:`task_reward` unless ``reward`` is given, and routes recorded for routing replay
     unless ``routed_experts=False``. ``seed`` fixes sampling per sample index, so a partial
     continued under the same weights ends exactly as an uninterrupted generation; a sample
-    stops at one of ``stop_tokens`` or after ``max_new_tokens``.
+    stops at one of ``stop_tokens`` or after ``max_new_tokens``. ``step_seconds`` paces the
+    engine's decoding steps (see :class:`~straw.rollout.demo.engine.BatchingEngine`).
     """
 
     where = "the in-process demo policy"
@@ -55,6 +56,7 @@ class PolicyGenerator(EngineGenerator):
         weight_version: str = "0",
         routed_experts: bool = True,
         max_running: int = 256,
+        step_seconds: float = 0.0,
         options: EngineOptions | None = None,
     ) -> None:
         shape = (policy.config.num_layers, policy.config.top_k) if routed_experts else None
@@ -71,6 +73,7 @@ class PolicyGenerator(EngineGenerator):
         self.temperature = temperature
         self.stop_tokens = tuple(stop_tokens)
         self.max_running = max_running
+        self.step_seconds = step_seconds
         self._version = weight_version
         self._engine: BatchingEngine | None = None
 
@@ -88,7 +91,10 @@ class PolicyGenerator(EngineGenerator):
     async def open(self) -> None:
         # Engine loops belong to one event loop: a new loop gets a new engine on the same policy.
         self._engine = BatchingEngine(
-            self.policy, weight_version=self.weight_version, max_running=self.max_running
+            self.policy,
+            weight_version=self.weight_version,
+            max_running=self.max_running,
+            step_seconds=self.step_seconds,
         )
         await self._engine.start()
 
