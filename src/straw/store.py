@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import secrets
 import threading
 import time
@@ -30,7 +29,7 @@ from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
-from ._pack.reader import PackReader
+from ._pack.reader import PACK_NAME, WRITER_NAME, PackReader
 from ._pack.writer import CommitUncertain, Entry, PackWriter
 from .backend import FilesystemBackend
 from .errors import (
@@ -75,9 +74,6 @@ from .protocol import (
 )
 
 __all__ = ["POOL_MARKER", "Adoption", "ReadSession", "SharedFilesystemStore"]
-
-_WRITER_DIR = re.compile(r"[0-9a-f]{32}")
-_PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 
 #: File at the pool root naming the format; written once, durably (D0).
 POOL_MARKER = "straw-pool.json"
@@ -1380,7 +1376,7 @@ class SharedFilesystemStore:
         """Every extent of the sealed packs of one writer directory ``raw/<partition>/`` (a
         writer id), index frames verified; packs still open for appends are skipped. Finding
         an extent says nothing of whether anything references or owns it."""
-        if not isinstance(partition, str) or not _WRITER_DIR.fullmatch(partition):
+        if not isinstance(partition, str) or not WRITER_NAME.fullmatch(partition):
             raise InvalidReference(f"partition {partition!r} is not a writer directory of raw/")
         directory = self.backend.resolve(f"raw/{partition}")
         try:
@@ -1392,7 +1388,7 @@ class SharedFilesystemStore:
         reader = PackReader(self.backend, self.run_id)
         try:
             for name in names:
-                if _PACK_NAME.fullmatch(name):
+                if PACK_NAME.fullmatch(name):
                     try:
                         found = reader.sealed_extents(f"raw/{partition}/{name}")
                     except OSError as error:

@@ -9,20 +9,18 @@ the next collection unlinks (ENOENT after a tombstone counts as done).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._fs import lock, posix
+from .._pack.reader import PACK_NAME, WRITER_NAME
 from ..backend import FilesystemBackend
 from ..errors import UnsafeRecovery
 from ..protocol import decode
 from .log import Catalog, describe
 from .state import CatalogState, Event, queue_owner
 
-_WRITER = re.compile(r"[0-9a-f]{32}")
-_PACK = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 LIVE_FILE = "LIVE"
 
 
@@ -45,7 +43,7 @@ def _scan(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) 
     except FileNotFoundError:
         return scan
     for writer in writers:
-        if not _WRITER.fullmatch(writer):
+        if not WRITER_NAME.fullmatch(writer):
             continue
         directory = os.path.join(raw, writer)
         try:
@@ -55,7 +53,7 @@ def _scan(catalog: Catalog, backend: FilesystemBackend, own_writer: str | None) 
         alive = _alive(writer, directory, names, own_writer, state.dead_writers, scan)
         for name in names:
             relative = f"raw/{writer}/{name}"
-            if _PACK.fullmatch(name):
+            if PACK_NAME.fullmatch(name):
                 try:
                     scan.on_disk[relative] = posix.getsize(os.path.join(directory, name))
                 except FileNotFoundError:

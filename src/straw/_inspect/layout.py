@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 
 from .._catalog.collect import queue_directories
 from .._fs import lock, posix
+from .._pack.reader import PACK_NAME, WRITER_NAME
 from ..store import POOL_FORMAT, POOL_MARKER
 
-WRITER_NAME = re.compile(r"[0-9a-f]{32}")
-PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 LIVE_FILE = "LIVE"
 
 

@@ -25,6 +25,9 @@ from ..limits import CHUNK_BYTES, INDEX_BYTES_MAX, OPEN_PACKS_MAX, PACK_BYTES_MA
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
 from . import frame
 
+#: A writer directory's name under ``raw/`` and a pack's file name in it (FORMAT.md section 1).
+WRITER_NAME = re.compile(r"[0-9a-f]{32}")
+PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
 INDEX_CACHE_MAX = 4096
 #: Index frames shared by every reader of the process (see :class:`_SharedIndexes`).
