@@ -232,9 +232,9 @@ def unknown_class(name: str) -> UnknownClass:
 # --------------------------------------------------------------------------- encoding
 
 
+#: JSON scalars that are their own node, encoded and decoded as themselves (a float is one
+#: only when finite, so each use checks floats apart).
 _PLAIN_TYPES = frozenset({type(None), bool, int, str})
-#: Values that are their own node (``_leaf`` of them is themselves).
-_SIMPLE_TYPES = _PLAIN_TYPES
 _SUMMABLE = frozenset({bool, int, float})
 
 
@@ -507,7 +507,7 @@ class _Encoder:
         names, known, edge = self.layout(type(value), cls)
         fields: list[list[Any]] = []
         missing = object()
-        simple = _SIMPLE_TYPES
+        simple = _PLAIN_TYPES
         for name in names:
             item = getattr(value, name, missing)
             if item is missing:  # an init=False field without a default may be unset
@@ -807,8 +807,6 @@ def _enum(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         raise UnsupportedSchema(f"enum {node['cls']} has no member with value {value!r}") from None
 
 
-#: JSON scalars a field decodes to without a call per field (a float is checked finite by node()).
-_JSON_SCALARS = frozenset({type(None), bool, int, str})
 #: Per dataclass: its fields' (name, default, default factory), in declaration order.
 _DEFAULTS: dict[type, tuple[tuple[str, Any, Any], ...]] = {}
 
@@ -833,7 +831,7 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         raise UnsupportedSchema(f"cannot rebuild {name} without calling it: {error}") from None
     stored = set()
     # (A field at the nesting limit still goes through node(), which refuses it.)
-    scalars = _JSON_SCALARS if depth <= NESTING_DEPTH_MAX else frozenset()
+    scalars = _PLAIN_TYPES if depth <= NESTING_DEPTH_MAX else frozenset()
     for pair in _list(node["fields"]) + _list(node["attrs"]):
         if type(pair) is not list or len(pair) != 2:
             raise TypeError(f"a field is a [name, node] pair, got {type(pair).__name__}")
