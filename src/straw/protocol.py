@@ -102,10 +102,17 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def decode(data: bytes | bytearray | memoryview) -> Any:
-    """Reverse :func:`encode`; any invalid input raises :class:`CorruptData`."""
+def decode(data: bytes | bytearray | memoryview, *, check_floats: bool = True) -> Any:
+    """Reverse :func:`encode`; any invalid input raises :class:`CorruptData`.
+
+    ``check_floats=False`` parses numbers with the C float parser instead of a Python
+    callback per number: one that overflows becomes an infinity, which the caller must
+    refuse itself (``straw.codec.payload.decode_document`` does, for sample documents).
+    """
     try:
         text = bytes(data).decode("utf-8")
+        if not check_floats:
+            return json.loads(text, parse_constant=_reject_constant)
         return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CorruptData(f"invalid canonical JSON: {error}") from None

@@ -9,7 +9,6 @@ PayloadRefs it nests. Layout and grammar: docs/FORMAT.md section 10.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, InvalidReference, UnsupportedSchema
-from ..protocol import Publication, Record, RecordSetRef, encode
+from ..protocol import Publication, Record, RecordSetRef, decode, encode
 from ..store import ReadSession, SharedFilesystemStore
 from ..tensor import TENSOR_CODEC, TensorRef, attach, is_torch_tensor, naming, reader_for, tensor_record
 from .schema import Decoder, Selection, allowed_classes, check_selection, decode_sample, encode_sample
@@ -119,14 +118,7 @@ def decode_document(data: bytes | bytearray | memoryview) -> Any:
     every non-finite number it meets (``CorruptData``), as the canonical decoder would.
     Invalid JSON or UTF-8, and the NaN and Infinity literals, are ``CorruptData`` at once.
     """
-    try:
-        return json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError included
-        raise CorruptData(f"invalid canonical JSON: {error}") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise CorruptData(f"canonical JSON never contains {name}")
+    return decode(data, check_floats=False)
 
 
 def _check_materialize(materialize: object) -> Materialize:
