@@ -1311,8 +1311,7 @@ class SharedFilesystemStore:
 
     def _owned(self, owner: str) -> set[str]:
         self._flush_deferred()
-        with self._catalog.locked() as catalog:
-            return set(catalog.state.owners.get(owner, set()))
+        return self._owner_packs(owner) or set()
 
     def _owner_packs(self, owner: str) -> set[str] | None:
         """The packs ``owner`` reaches, or None when the catalog does not know it."""
