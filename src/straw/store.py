@@ -722,8 +722,8 @@ class SharedFilesystemStore:
         set_digest = logical_digest(entries, [d["digest"] for d in deps])
         manifest = frame.Manifest(set_digest, tuple(pairs), tuple(segments), tuple(deps))
         manifest_entry = self._manifest_entry(manifest, "manifest")
-        payload = sum(e.length for e in entries) + sum(d["ref"]["payload_bytes"] for d in deps)
-        tokens = sum(e.tokens for e in entries) + sum(d["ref"]["tokens"] for d in deps)
+        payload = sum(e.length for e in entries) + sum(_usage(d, "payload_bytes") for d in deps)
+        tokens = sum(e.tokens for e in entries) + sum(_usage(d, "tokens") for d in deps)
 
         def result(segment: SegmentRef) -> RecordSetRef:
             return RecordSetRef(RecordRef(segment, 0), set_digest, len(entries), payload, tokens)
