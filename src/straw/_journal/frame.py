@@ -54,7 +54,7 @@ def next_chain(previous: bytes, body_digest: bytes) -> bytes:
 
 def all_zero(data: bytes | bytearray | memoryview) -> bool:
     """Whether every byte is zero (an empty buffer is). A log's zero tail is checked on every
-    catch-up and append (J7); a memcmp against fresh zeros is some 50x faster than
+    catalog catch-up and every recovery (J7); a memcmp against fresh zeros is some 50x faster than
     ``bytes.strip(b"\\0")``, which tests each byte against the strip set."""
     flat = data if type(data) is bytes else bytes(data)
     return flat == bytes(len(flat))
