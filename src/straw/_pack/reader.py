@@ -247,23 +247,19 @@ class PackReader:
         (A6), and while the frame reads as zeros (its bytes not yet visible on this client, D5.2a)
         along the visibility delays, before the damage is reported."""
         handle = self._open(relative, segment_id)
-        data = self._pread(handle.fd, size, offset, relative)
-        try:
-            return _checked(data, size, offset, relative, check)
-        except CorruptData:
-            self._forget(relative)
-        delays = iter(self.backend.visibility_delays)
+        delays = iter((0.0, *self.backend.visibility_delays))  # the same retries as payload_into
         while True:
-            handle = self._open(relative, segment_id)
             data = self._pread(handle.fd, size, offset, relative)
             try:
                 return _checked(data, size, offset, relative, check)
             except CorruptData:
-                delay = next(delays, None) if len(data) == size and _unwritten(data) else None
-                if delay is None:
+                delay = next(delays, None)
+                if delay is None or (delay and not (len(data) == size and _unwritten(data))):
                     raise
             self._forget(relative)
-            posix.wait(self.backend.sleep, delay)
+            if delay:
+                posix.wait(self.backend.sleep, delay)
+            handle = self._open(relative, segment_id)
 
     # -- index frames -------------------------------------------------------------------
 
