@@ -8,11 +8,43 @@ every wait is bounded by ``CHILD_TIMEOUT_S`` so a hang fails one test, not the s
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 #: Bound on any wait for a child process.
 CHILD_TIMEOUT_S = 60.0
+
+
+def start(program: Path, *args: str) -> subprocess.Popen[str]:
+    """Run ``python <program> <args>`` with text pipes on stdin, stdout and stderr."""
+    return subprocess.Popen(
+        [sys.executable, str(program), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+class KillAt:
+    """A fault hook (``FilesystemBackend(fault=...)``) that sends its own process ``SIGKILL``
+    the ``nth`` time ``phase`` is reached while ``armed`` (a child arms it after its setup)."""
+
+    def __init__(self, phase: str, *, nth: int = 1, armed: bool = True) -> None:
+        self.phase = phase
+        self.nth = nth
+        self.armed = armed
+        self.hits = 0
+
+    def __call__(self, reached: str) -> None:
+        if self.armed and reached == self.phase:
+            self.hits += 1
+            if self.hits == self.nth:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def read_line(process: subprocess.Popen[str], who: str = "child") -> str:

@@ -6,7 +6,9 @@ programs started as ``python tests/<file>.py`` find it beside themselves.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,25 @@ class Clock:
     def advance(self, seconds: float) -> float:
         self.now += seconds
         return self.now
+
+
+@contextlib.contextmanager
+def coordinators(store: SharedFilesystemStore, **defaults: Any) -> Iterator[Callable[..., Coordinator]]:
+    """A factory of coordinators on ``store`` (``defaults`` plus each call's keywords); every one
+    it made is closed when the block ends, quietly (a test may have broken or crashed it)."""
+    opened: list[Coordinator] = []
+
+    def factory(**kw: Any) -> Coordinator:
+        coordinator = Coordinator(store, **{**defaults, **kw})
+        opened.append(coordinator)
+        return coordinator
+
+    try:
+        yield factory
+    finally:
+        for item in opened:
+            with contextlib.suppress(Exception):
+                item.close()
 
 
 def result_for(

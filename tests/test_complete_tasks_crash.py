@@ -14,9 +14,7 @@ This file is also the child program: ``python tests/test_complete_tasks_crash.py
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,12 +37,7 @@ PHASES = ("before_journal_write", "after_journal_append", "after_journal_sync", 
 
 
 def child(root: str, phase: str) -> None:
-    armed = [False]
-
-    def hook(reached: str) -> None:
-        if armed[0] and reached == phase:
-            os.kill(os.getpid(), signal.SIGKILL)
-
+    hook = child_io.KillAt(phase, armed=False)
     store = SharedFilesystemStore(root, RUN, backend=FilesystemBackend(root, fault=hook))
     coord = Coordinator(store, exclusive_owner=OWNER, recover=True)
     leases = [a.lease for a in coord.acquire("child", TASKS).assignments]
@@ -62,7 +55,7 @@ def child(root: str, phase: str) -> None:
             }
         )
     print(json.dumps(entries), flush=True)
-    armed[0] = True
+    hook.armed = True
     receipts = coord.complete_tasks(entries)
     print(json.dumps([as_dict(r) for r in receipts]), flush=True)
     sys.stdin.readline()
@@ -83,13 +76,7 @@ def test_i8_a_batch_killed_at_any_journal_phase_is_whole_or_absent_and_retries_a
     root = str(tmp_path)
     with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
         coord.submit_tasks("tasks", [TaskSpec(f"t{i}") for i in range(TASKS)])
-    process = subprocess.Popen(
-        [sys.executable, str(HERE), root, phase],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = child_io.start(HERE, root, phase)
     with child_io.children(process):
         entries = entries_of(child_io.read_line(process))
         assert process.wait(child_io.CHILD_TIMEOUT_S) == -signal.SIGKILL

@@ -14,9 +14,7 @@ This file is also the child program: ``python tests/test_snapshot_crash.py <pool
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,14 +39,7 @@ PHASES = ("before_segment_switch", "after_segment_switch", "before_snapshot_writ
 
 
 def child(root: str, phase: str) -> None:
-    hits = [0]
-
-    def hook(reached: str) -> None:
-        if reached == phase:
-            hits[0] += 1
-            if hits[0] == NTH:
-                os.kill(os.getpid(), signal.SIGKILL)
-
+    hook = child_io.KillAt(phase, nth=NTH)
     coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN = 1  # a snapshot is due after every call
     store = SharedFilesystemStore(root, RUN, backend=FilesystemBackend(root, fault=hook))
     coord = Coordinator(store, exclusive_owner=OWNER, recover=True)
@@ -67,13 +58,7 @@ def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: P
     root = str(tmp_path)
     with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
         coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
-    process = subprocess.Popen(
-        [sys.executable, str(HERE), root, phase],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = child_io.start(HERE, root, phase)
     printed: list[CommitReceipt] = []
     with child_io.children(process):
         assert process.stdout is not None

@@ -102,6 +102,19 @@ def _required_ref(ref: object, what: str) -> None:
         raise TypeError(f"{what} must be a RecordSetRef, got {type(ref).__name__}")
 
 
+def _accepted(receipt: Mapping[str, Any], result_ref: RecordSetRef) -> CommitReceipt:
+    """A new completion's receipt: the accepted reference is the caller's own (validated)
+    object, so it is not rebuilt from the receipt's dict form."""
+    return CommitReceipt(
+        receipt["commit_id"],
+        receipt["task_id"],
+        receipt["submission_id"],
+        receipt["digest"],
+        receipt["position"],
+        result_ref,
+    )
+
+
 def _as_objects(updates: Iterable[object]) -> Iterable[object]:
     """Updates of ``yield_tasks`` / ``save_task_progress_many`` with ``lease`` and ``input_ref``
     as objects: callers may pass the objects or their ``dataclasses.asdict`` forms (the peer
@@ -749,16 +762,7 @@ class Coordinator:
             # The records must belong to this task and attempt (API.md section 5, validate);
             # this reads packs, so it runs outside the lock and the lease is checked again after.
             adopted = Adoption()
-            try:
-                packs = self.store.validate_reach(
-                    result_ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
-                )
-            except StorageUnavailable as error:
-                # Item 7: a result whose data is gone is refused, and no new work is handed out
-                # from here on: the pool is not healthy (recovery, a new coordinator, resumes).
-                with self._lock:
-                    self._paused = error
-                raise
+            packs = self._validate_result(lease, result_ref, adopted)
             receipt = self._commit(
                 lambda: self._state.check_complete(
                     lease, submission_id, result_ref, result_digest, self.clock(), self._new_id, packs
@@ -767,15 +771,7 @@ class Coordinator:
                 adopted,
             )
             self.backend.fault("before_completion_reply")
-            # The accepted reference is the caller's own (validated) object: no need to rebuild it.
-            return CommitReceipt(
-                receipt["commit_id"],
-                receipt["task_id"],
-                receipt["submission_id"],
-                receipt["digest"],
-                receipt["position"],
-                result_ref,
-            )
+            return _accepted(receipt, result_ref)
         self.backend.fault("before_completion_reply")
         return CommitReceipt.from_dict(receipt)
 
@@ -823,33 +819,31 @@ class Coordinator:
                 self._counters["duplicate_completions"] += 1
                 receipts.append(CommitReceipt.from_dict(value))
             else:
-                receipt = accepted[value]
-                receipts.append(
-                    CommitReceipt(
-                        receipt["commit_id"],
-                        receipt["task_id"],
-                        receipt["submission_id"],
-                        receipt["digest"],
-                        receipt["position"],
-                        ref,
-                    )
-                )
+                receipts.append(_accepted(accepted[value], ref))
         self.backend.fault("before_completion_reply")
         return receipts
 
-    def _validate_result(self, lease: Lease, ref: RecordSetRef, adopted: Adoption, number: int) -> set[str]:
-        """The store's ownership check of entry ``number``'s result (outside the lock: it reads
-        packs); the packs it reaches. Its errors are ``complete_task``'s, naming the entry."""
+    def _validate_result(
+        self, lease: Lease, ref: RecordSetRef, adopted: Adoption, number: int | None = None
+    ) -> set[str]:
+        """The store's ownership check of a result (API.md section 5; outside the lock: it reads
+        packs); the packs it reaches. ``number`` is the ``complete_tasks`` entry, which the
+        errors then name; ``complete_task`` raises the store's errors as they are."""
         try:
             return self.store.validate_reach(
                 ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
             )
         except StorageUnavailable as error:
-            # As in complete_task (item 7): a result whose data is gone pauses scheduling.
+            # Item 7: a result whose data is gone is refused, and no new work is handed out
+            # from here on: the pool is not healthy (recovery, a new coordinator, resumes).
             with self._lock:
                 self._paused = error
+            if number is None:
+                raise
             raise type(error)(f"complete_tasks entry {number}: {error}") from error
         except QueueError as error:
+            if number is None:
+                raise
             raise type(error)(f"complete_tasks entry {number}: {error}") from error
 
     def fail_task(self, lease: Lease, *, request_id: str, failure: str, retryable: bool = True) -> str:

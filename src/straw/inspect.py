@@ -107,11 +107,14 @@ def cleanup_orphans(
         with catalog.locked() as cat:
             if packs:
                 cat.append([{"op": "tombstone", "packs": packs}])  # G4.1 before any unlink
+            touched: set[str] = set()
             for relative in paths:
                 path = backend.resolve(relative)
                 with contextlib.suppress(FileNotFoundError):  # G4.3: gone already
                     posix.unlink(path)
-                backend.sync_dir(os.path.dirname(path))
+                touched.add(os.path.dirname(path))
+            for directory in sorted(touched):  # G4.2: one sync per directory, as online GC does
+                backend.sync_dir(directory)
             if packs:
                 cat.append([{"op": "reclaimed", "packs": packs}])
     except OSError as error:

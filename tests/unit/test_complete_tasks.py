@@ -9,7 +9,6 @@ the accepted results take consecutive positions, paying one journal frame for th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,17 +68,8 @@ def store(tmp_path: Path, faults: Faults) -> Iterator[SharedFilesystemStore]:
 
 @pytest.fixture
 def make(store: SharedFilesystemStore, clock: qh.Clock) -> Iterator[Callable[..., Coordinator]]:
-    opened: list[Coordinator] = []
-
-    def factory(**kw: Any) -> Coordinator:
-        coordinator = Coordinator(store, exclusive_owner=OWNER, clock=clock, lease_seconds=LEASE_S, **kw)
-        opened.append(coordinator)
-        return coordinator
-
-    yield factory
-    for item in opened:
-        with contextlib.suppress(Exception):
-            item.close()
+    with qh.coordinators(store, exclusive_owner=OWNER, clock=clock, lease_seconds=LEASE_S) as factory:
+        yield factory
 
 
 def leased(coord: Coordinator, count: int, prefix: str = "t") -> list[Lease]:

@@ -11,7 +11,6 @@ call either way.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,18 +73,9 @@ def store(tmp_path: Path, hook: Hook) -> Iterator[SharedFilesystemStore]:
 
 @pytest.fixture
 def make(store: SharedFilesystemStore, hook: Hook) -> Iterator[Callable[..., Coordinator]]:
-    opened: list[Coordinator] = []
-
-    def factory(**kw: Any) -> Coordinator:
-        coordinator = Coordinator(store, exclusive_owner=OWNER, clock=qh.Clock(), lease_seconds=LEASE_S, **kw)
-        opened.append(coordinator)
-        return coordinator
-
-    yield factory
-    hook.go.set()  # never leave a snapshot thread held
-    for item in opened:
-        with contextlib.suppress(Exception):
-            item.close()
+    with qh.coordinators(store, exclusive_owner=OWNER, clock=qh.Clock(), lease_seconds=LEASE_S) as factory:
+        yield factory
+        hook.go.set()  # never leave a snapshot thread held
 
 
 def leases(coord: Coordinator, count: int) -> list[Lease]:
