@@ -60,10 +60,7 @@ class LoggedReward:
         self._lock = threading.Lock()
 
     def __call__(self, sample: Sample) -> float:
-        response = (
-            sample.tokens[len(sample.tokens) - sample.response_length :] if sample.response_length else []
-        )
-        value = task.reward(response, str(sample.label))
+        value = task.sample_reward(sample)
         if self.path is not None:
             call = uuid.uuid4().hex
             sample.metadata = {**(sample.metadata or {}), "reward_call": call}
