@@ -46,7 +46,7 @@ from ..refs import DiskPayloadRef, TrainBatchRef, load_groups, pack_payload, rel
 from ..runner import AsyncRollout
 from ..sample import iter_samples, staleness
 from . import task
-from .engines import CopyEngine, LoggedReward, SyncedGenerator, WeightBoard
+from .engines import CopyEngine, LoggedReward, SyncedGenerator, WeightBoard, queue_task_id
 
 __all__ = [
     "Backend",
@@ -579,17 +579,10 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
             "rows_per_rank": metrics["rows_per_rank"],
             "group_indices": [int(g[0].group_index) for g in groups],
             "reward_calls": [
-                [str((s.metadata or {}).get("reward_call")), str(_task_of(s)), s.index] for s in samples
+                [str((s.metadata or {}).get("reward_call")), str(queue_task_id(s)), s.index] for s in samples
             ],
         }
     )
-
-
-def _task_of(sample: Any) -> Any:
-    receipt = getattr(sample, "_queue_receipt", None)
-    if isinstance(receipt, Mapping):
-        return receipt.get("task_id")
-    return getattr(receipt, "task_id", None)
 
 
 def run_job(settings: DemoSettings, emit: Emit, backend: Backend | None = None) -> dict[str, Any]:
