@@ -554,6 +554,7 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
         job.generation.load_weights(job.version, job.weights_ref)
     job.generation.resume_admission(was_paused)
     lap("sync")
+    seconds = clock() - started
     lags = [s for s in (staleness(g, serving) for g in groups) if s is not None]
     packs, pool_bytes = pool_usage(settings.pool_dir)
     rewards = [float(cast(float, s.reward or 0.0)) for s in samples]
@@ -565,8 +566,8 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
             "staleness_max": max(lags, default=0),
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "groups": len(groups),
-            "seconds": clock() - started,
-            "groups_per_s": len(groups) / max(clock() - started, 1e-9),
+            "seconds": seconds,
+            "groups_per_s": len(groups) / max(seconds, 1e-9),
             "partials_continued": sum(
                 1 for g in groups if any(len(s.weight_versions) > 1 for s in iter_samples(g))
             ),
