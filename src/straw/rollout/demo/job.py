@@ -493,8 +493,8 @@ def pool_usage(pool: Path) -> tuple[int, int]:
     return len(packs), sum(packs)
 
 
-def _publish_weights(job: _Job, version: int) -> None:
-    """Publish rank 0's weights through the pool and post them on the board."""
+def _publish_weights(job: _Job, version: int) -> DiskPayloadRef:
+    """Publish rank 0's weights through the pool and post them on the board; answers their reference."""
     weights = job.ranks.call("export", ranks=[0])[0]
     ref = pack_payload(weights, config=job.config, rollout_id=f"weights-{version}")
     job.board.post(version, ref)
@@ -503,6 +503,7 @@ def _publish_weights(job: _Job, version: int) -> None:
         # loads the new one instead, so its staging can end and GC may reclaim it.
         release_publications(job.config, [job.weights_ref])
     job.weights_ref, job.version = ref, version
+    return ref
 
 
 def _save_models(job: _Job, step: int) -> ModelSave:
@@ -549,9 +550,7 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
     lap("checkpoint")
     serving = str(job.version)
     was_paused = job.generation.pause_admission()
-    _publish_weights(job, job.version + 1)
-    if job.weights_ref is not None:  # in-process engines load now; remote ones before their next group
-        job.generation.load_weights(job.version, job.weights_ref)
+    job.generation.load_weights(job.version, _publish_weights(job, job.version + 1))
     job.generation.resume_admission(was_paused)
     lap("sync")
     seconds = clock() - started
@@ -605,10 +604,9 @@ def run_job(settings: DemoSettings, emit: Emit, backend: Backend | None = None) 
         if config.ckpt_step is not None and plan.mode in ("rollback", "empty"):
             ranks.call("load", str(model_dir(str(config.save), config.ckpt_step) / "policy.pt"))
         first = int(config.start_rollout_id or 0)
-        _publish_weights(job, int(config.update_weight_start_version or 0))
+        weights = _publish_weights(job, int(config.update_weight_start_version or 0))
         job.generation = backend.generation(settings, config, source, board)
-        if job.weights_ref is not None:  # the restored (or initial) weights, before any group
-            job.generation.load_weights(job.version, job.weights_ref)
+        job.generation.load_weights(job.version, weights)  # restored (or initial) weights, before any group
         emit(
             {
                 "event": "start",
