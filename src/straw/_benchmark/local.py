@@ -191,7 +191,7 @@ def _watch(
         "seconds": worker["seconds"],
         "write_mib_s": worker["written_bytes"] / MiB / seconds,
         "read_mib_s": worker["read_bytes"] / MiB / seconds,
-        "files": _usage(root)[0],
+        "files": files,  # counted once more after the worker ended, just above
         "coordinator": coordinator.metrics(),
         "parameters": {k: v for k, v in vars(args).items() if k != "func"},
     }
