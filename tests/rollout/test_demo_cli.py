@@ -79,3 +79,14 @@ def test_bad_demo_arguments_are_refused_before_anything_is_written(
     assert main(["demo", "--dir", str(root), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not root.exists()
+
+
+def test_the_child_gets_every_setting_the_supervisor_was_given(tmp_path: Path) -> None:
+    from straw.cli import build_parser, demo
+
+    declaration = tmp_path / "mount.json"
+    given = ["demo", "--dir", str(tmp_path / "d"), "--storage-declaration", str(declaration), "--online-gc"]
+    options = build_parser().parse_args(given)
+    child = build_parser().parse_args([*demo._argv(options), "--child"])
+    assert demo._settings(child) == demo._settings(options)
+    assert child.storage_declaration == str(declaration)

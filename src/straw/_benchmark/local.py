@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from straw.coordinator import Coordinator
+from straw.limits import GiB, MiB
 from straw.protocol import Lease, Record, RecordSetRef, TaskSpec
 from straw.reporting import write_report
 from straw.rpc import QueueClient, start_server
@@ -37,8 +38,6 @@ from straw.store import SharedFilesystemStore
 
 __all__ = ["add_run_arguments", "add_worker_arguments", "run", "worker"]
 
-GiB = 1024**3
-MiB = 1024**2
 #: Per-publication allowance for framing and the index when planning files (generous).
 _OVERHEAD_BYTES = 4096
 #: Files of the pool besides data packs (journal, catalog, locks, logs, reports).
@@ -192,7 +191,7 @@ def _watch(
         "seconds": worker["seconds"],
         "write_mib_s": worker["written_bytes"] / MiB / seconds,
         "read_mib_s": worker["read_bytes"] / MiB / seconds,
-        "files": _usage(root)[0],
+        "files": files,  # counted once more after the worker ended, just above
         "coordinator": coordinator.metrics(),
         "parameters": {k: v for k, v in vars(args).items() if k != "func"},
     }

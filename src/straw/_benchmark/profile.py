@@ -16,11 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from straw.limits import MiB
 from straw.reporting import write_report
 
 __all__ = ["build_profile", "load_events", "profile"]
 
-MiB = 1024 * 1024
 #: Window lengths (seconds) of the peak completion rates.
 WINDOWS_S = (1, 10)
 #: Codec prefixes of manifests (ours, and the peer's in its traces): not payload.

@@ -168,6 +168,7 @@ def _argv(options: argparse.Namespace) -> list[str]:
         ("--pool", options.pool),
         ("--save", options.save),
         ("--reward-log", options.reward_log),
+        ("--storage-declaration", options.storage_declaration),
     ):
         if value:
             argv += [flag, os.path.abspath(value)]

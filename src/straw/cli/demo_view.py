@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["View", "write_plot"]
+from straw.rollout.demo.job import PHASES
 
-PHASES = ("generate", "accept", "build", "train", "checkpoint", "sync")
+__all__ = ["View", "write_plot"]
 
 
 def _bytes(n: float) -> str:

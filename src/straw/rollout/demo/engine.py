@@ -227,6 +227,9 @@ class BatchingEngine:
     async def _loop(self) -> None:
         while True:
             self._changed.clear()
+            # Cleared before the step, not before its paced wait: an abort that lands while the
+            # step computes (off the loop, in the executor) still ends that wait at once.
+            self._interrupted.clear()
             self._apply_aborts()
             if self._closing and not self._running:
                 await self._notify()
@@ -259,7 +262,6 @@ class BatchingEngine:
         """Wait out the rest of ``step_seconds`` since ``began``, unless an abort comes first."""
         rest = self.step_seconds - (asyncio.get_running_loop().time() - began)
         if rest > 0 and not self._closing:
-            self._interrupted.clear()
             await wait_unless_set(self._interrupted, rest)
 
     async def _notify(self) -> None:

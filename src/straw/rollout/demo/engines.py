@@ -31,7 +31,7 @@ from ..sample import Sample, SampleStatus
 from . import task
 from .simulated import wait_unless_set
 
-__all__ = ["CopyEngine", "LoggedReward", "SyncedGenerator", "WeightBoard"]
+__all__ = ["CopyEngine", "LoggedReward", "SyncedGenerator", "WeightBoard", "queue_task_id"]
 
 
 class WeightBoard:
@@ -60,21 +60,28 @@ class LoggedReward:
         self._lock = threading.Lock()
 
     def __call__(self, sample: Sample) -> float:
-        response = (
-            sample.tokens[len(sample.tokens) - sample.response_length :] if sample.response_length else []
-        )
-        value = task.reward(response, str(sample.label))
+        value = task.sample_reward(sample)
         if self.path is not None:
             call = uuid.uuid4().hex
             sample.metadata = {**(sample.metadata or {}), "reward_call": call}
-            lease = getattr(sample, "_queue_lease", None)
-            task_id = lease.get("task_id") if isinstance(lease, Mapping) else getattr(lease, "task_id", None)
-            line = json.dumps({"call": call, "task": task_id, "index": sample.index}) + "\n"
+            line = json.dumps({"call": call, "task": queue_task_id(sample), "index": sample.index}) + "\n"
             # One write per line, appended and flushed: a killed process loses at most the line
             # it was writing, never an earlier one (the page cache outlives the process).
             with self._lock, open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(line)
         return value
+
+
+def queue_task_id(sample: Any) -> Any:
+    """The queue task a sample is leased (or was accepted) under, else None.
+
+    The lease or receipt rides on the sample as a dict or as the protocol object.
+    """
+    for name in ("_queue_lease", "_queue_receipt"):
+        held = getattr(sample, name, None)
+        if held is not None:
+            return held.get("task_id") if isinstance(held, Mapping) else getattr(held, "task_id", None)
+    return None
 
 
 class SyncedGenerator:

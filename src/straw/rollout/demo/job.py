@@ -46,7 +46,7 @@ from ..refs import DiskPayloadRef, TrainBatchRef, load_groups, pack_payload, rel
 from ..runner import AsyncRollout
 from ..sample import iter_samples, staleness
 from . import task
-from .engines import CopyEngine, LoggedReward, SyncedGenerator, WeightBoard
+from .engines import CopyEngine, LoggedReward, SyncedGenerator, WeightBoard, queue_task_id
 
 __all__ = [
     "Backend",
@@ -493,8 +493,8 @@ def pool_usage(pool: Path) -> tuple[int, int]:
     return len(packs), sum(packs)
 
 
-def _publish_weights(job: _Job, version: int) -> None:
-    """Publish rank 0's weights through the pool and post them on the board."""
+def _publish_weights(job: _Job, version: int) -> DiskPayloadRef:
+    """Publish rank 0's weights through the pool and post them on the board; answers their reference."""
     weights = job.ranks.call("export", ranks=[0])[0]
     ref = pack_payload(weights, config=job.config, rollout_id=f"weights-{version}")
     job.board.post(version, ref)
@@ -503,6 +503,7 @@ def _publish_weights(job: _Job, version: int) -> None:
         # loads the new one instead, so its staging can end and GC may reclaim it.
         release_publications(job.config, [job.weights_ref])
     job.weights_ref, job.version = ref, version
+    return ref
 
 
 def _save_models(job: _Job, step: int) -> ModelSave:
@@ -549,11 +550,10 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
     lap("checkpoint")
     serving = str(job.version)
     was_paused = job.generation.pause_admission()
-    _publish_weights(job, job.version + 1)
-    if job.weights_ref is not None:  # in-process engines load now; remote ones before their next group
-        job.generation.load_weights(job.version, job.weights_ref)
+    job.generation.load_weights(job.version, _publish_weights(job, job.version + 1))
     job.generation.resume_admission(was_paused)
     lap("sync")
+    seconds = clock() - started
     lags = [s for s in (staleness(g, serving) for g in groups) if s is not None]
     packs, pool_bytes = pool_usage(settings.pool_dir)
     rewards = [float(cast(float, s.reward or 0.0)) for s in samples]
@@ -565,8 +565,8 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
             "staleness_max": max(lags, default=0),
             "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "groups": len(groups),
-            "seconds": clock() - started,
-            "groups_per_s": len(groups) / max(clock() - started, 1e-9),
+            "seconds": seconds,
+            "groups_per_s": len(groups) / max(seconds, 1e-9),
             "partials_continued": sum(
                 1 for g in groups if any(len(s.weight_versions) > 1 for s in iter_samples(g))
             ),
@@ -579,17 +579,10 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
             "rows_per_rank": metrics["rows_per_rank"],
             "group_indices": [int(g[0].group_index) for g in groups],
             "reward_calls": [
-                [str((s.metadata or {}).get("reward_call")), str(_task_of(s)), s.index] for s in samples
+                [str((s.metadata or {}).get("reward_call")), str(queue_task_id(s)), s.index] for s in samples
             ],
         }
     )
-
-
-def _task_of(sample: Any) -> Any:
-    receipt = getattr(sample, "_queue_receipt", None)
-    if isinstance(receipt, Mapping):
-        return receipt.get("task_id")
-    return getattr(receipt, "task_id", None)
 
 
 def run_job(settings: DemoSettings, emit: Emit, backend: Backend | None = None) -> dict[str, Any]:
@@ -611,10 +604,9 @@ def run_job(settings: DemoSettings, emit: Emit, backend: Backend | None = None) 
         if config.ckpt_step is not None and plan.mode in ("rollback", "empty"):
             ranks.call("load", str(model_dir(str(config.save), config.ckpt_step) / "policy.pt"))
         first = int(config.start_rollout_id or 0)
-        _publish_weights(job, int(config.update_weight_start_version or 0))
+        weights = _publish_weights(job, int(config.update_weight_start_version or 0))
         job.generation = backend.generation(settings, config, source, board)
-        if job.weights_ref is not None:  # the restored (or initial) weights, before any group
-            job.generation.load_weights(job.version, job.weights_ref)
+        job.generation.load_weights(job.version, weights)  # restored (or initial) weights, before any group
         emit(
             {
                 "event": "start",

@@ -25,10 +25,8 @@ from .policy import Decoding, DemoPolicy, import_weights
 __all__ = ["PolicyGenerator", "task_reward"]
 
 
-def task_reward(sample: Sample) -> float:
-    """The copy task's rule reward of a sample's response (its label is the prompt's digits)."""
-    response = sample.tokens[len(sample.tokens) - sample.response_length :] if sample.response_length else []
-    return task.reward(response, str(sample.label))
+#: The copy task's rule reward of a sample (:func:`straw.rollout.demo.task.sample_reward`).
+task_reward = task.sample_reward
 
 
 class PolicyGenerator(EngineGenerator):

@@ -25,7 +25,10 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..sample import Sample
 
 __all__ = [
     "BOS",
@@ -38,6 +41,7 @@ __all__ = [
     "encode_prompt",
     "piece",
     "reward",
+    "sample_reward",
     "target_tokens",
     "token_name",
 ]
@@ -83,6 +87,12 @@ def reward(response_tokens: Sequence[int], label: str) -> float:
     target = target_tokens(label)
     hits = sum(1 for got, want in zip(response_tokens, target, strict=False) if got == want)
     return hits / len(target)
+
+
+def sample_reward(sample: Sample) -> float:
+    """The rule reward of a sample's response (its label is the prompt's digits)."""
+    response = sample.tokens[len(sample.tokens) - sample.response_length :] if sample.response_length else []
+    return reward(response, str(sample.label))
 
 
 @dataclass(frozen=True)
