@@ -691,12 +691,8 @@ class BatchBuilder:
             return data
         return default_convert(flat, self.config, reward_post_process=self.hooks.reward_post_process)
 
-    def _publish(self, data: Mapping[str, Any]) -> tuple[DiskPayloadRef, dict[str, Any]]:
-        """Publish the conversion with its plan embedded and mark the batch ready (accept, then advance).
-
-        Returns the reference and the conversion's head (``total_lengths``, ``rollout_ids`` and
-        the field lists, as :meth:`split` would read them back).
-        """
+    def _publish(self, data: Mapping[str, Any]) -> DiskPayloadRef:
+        """Publish the conversion with its plan embedded and mark the batch ready (accept, then advance)."""
         controller = self._controller()
         if self.batch_id is None:
             raise ValueError("split() needs a planned batch: call begin() first")
@@ -724,8 +720,7 @@ class BatchBuilder:
         )
         controller.ready_batch(self.batch_id, ref.manifest)
         release_publications(self.config, [ref])  # the ready batch holds it now
-        head = {key: stored[key] for key in ("total_lengths", "rollout_ids", FIELDS_KEY)}
-        return ref, head
+        return ref
 
     def _split_ready(self, batch: Mapping[str, Any]) -> list[TrainBatchRef]:
         """Split a batch accepted before from its stored conversion, running no hook.
@@ -739,17 +734,10 @@ class BatchBuilder:
 
     def split(self, data: Any) -> list[TrainBatchRef]:
         """Publish ``data`` (unless it is a stored conversion) and give each DP rank its reference."""
-        if isinstance(data, DiskPayloadRef):
-            reference = data
-            if self.batch_id is None:
-                raise ValueError("split() needs a planned batch: call begin() first")
-            head = reference.load(selection={"total_lengths": None, "rollout_ids": None, FIELDS_KEY: None})
-        else:
-            # Just published from memory: its head is the values written, not read back (the
-            # ranks read and verify the stored conversion itself).
-            reference, head = self._publish(data)
-        if self.batch_id is None:  # _publish refused an unplanned batch already
+        reference = data if isinstance(data, DiskPayloadRef) else self._publish(data)
+        if self.batch_id is None:
             raise ValueError("split() needs a planned batch: call begin() first")
+        head = reference.load(selection={"total_lengths": None, "rollout_ids": None, FIELDS_KEY: None})
         lengths = list(head["total_lengths"])
         fields, whole = list(head[FIELDS_KEY]["rows"]), list(head[FIELDS_KEY]["whole"])
         schedule_fn = self.hooks.schedule or default_schedule
