@@ -325,6 +325,47 @@ def test_tensorize_fixes_the_dtypes_and_keeps_references(make_config: MakeConfig
     assert data["tokens"][0] == [0, 1, 2, 3, 4]  # the input is not changed
 
 
+_FIELD_DTYPES = {"tokens": torch.int64, "loss_masks": torch.int32, "rollout_log_probs": torch.float32}
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ([3, 1, 4, 1, 5], "tokens"),
+        ([True, False, 7], "loss_masks"),
+        ([], "tokens"),
+        ([], "rollout_log_probs"),
+        ([-0.5, 1, True, 1e-45, 3.4028235e38, 0.1], "rollout_log_probs"),
+        ([1e40, -1e40], "rollout_log_probs"),  # overflows to infinities, as torch.tensor does
+        ([2**62, -(2**63)], "tokens"),
+        ([[1, 2], [3, 4]], "tokens"),  # nested: torch.tensor itself
+        ([1.7, -1.7], "tokens"),  # floats into ints: torch.tensor itself
+    ],
+)
+def test_tensorize_gives_what_torch_tensor_gives(values: list[Any], field: str) -> None:
+    (got,) = tensorize({field: [values]})[field]
+    expected = torch.tensor(values, dtype=_FIELD_DTYPES[field])
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ([2**31], "loss_masks"),  # out of int32's range
+        ([2**63], "tokens"),  # out of int64's range
+        (["1", 2], "tokens"),  # NumPy would parse the string; torch refuses it
+        ([None, 1.0], "rollout_log_probs"),  # NumPy would make a NaN; torch refuses it
+    ],
+)
+def test_tensorize_refuses_what_torch_tensor_refuses(values: list[Any], field: str) -> None:
+    with pytest.raises(Exception) as expected:
+        torch.tensor(values, dtype=_FIELD_DTYPES[field])
+    with pytest.raises(type(expected.value)) as got:
+        tensorize({field: [values]})
+    assert str(got.value) == str(expected.value)
+
+
 # --------------------------------------------------------------------------- the plan identity
 
 

@@ -17,6 +17,7 @@ import enum
 import importlib
 import json
 import math
+import operator
 import sys
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -304,7 +305,7 @@ class _Encoder:
         self.parts: list[Part] = []
         self.dependencies: list[Any] = []
         self.dependency_index: dict[Any, int] = {}
-        self.field_names: dict[type, tuple[list[str], frozenset[str], str | None]] = {}  # see layout()
+        self.layouts: dict[type, _Layout] = {}  # see layout()
 
     def where(self) -> str:
         return "".join(self.path)
@@ -489,48 +490,77 @@ class _Encoder:
                 return found
         return None
 
-    def layout(self, kind: type, cls: str) -> tuple[list[str], frozenset[str], str | None]:
-        """A dataclass type's field names (in order, and as a set) and its dependency field;
-        worked out once per type and call (every sample of a publication shares one)."""
-        found = self.field_names.get(kind)
+    def layout(self, kind: type) -> _Layout:
+        """A dataclass type's template: its name, field names (in order, and as a set), its
+        dependency field and one getter of every field; worked out once per type and call
+        (every sample of a publication shares one)."""
+        found = self.layouts.get(kind)
         if found is None:
-            names = [f.name for f in dataclasses.fields(kind)]
+            cls = self.named(kind)
+            names = tuple(f.name for f in dataclasses.fields(kind))
             edge = self.dependency_field(kind) if self.dependency_fields else None
             if edge is not None and edge not in names:
                 raise ValueError(f"{self.where()}: dependency field {edge!r} is not a field of {cls}")
-            found = self.field_names[kind] = (names, frozenset(names), edge)
+            # attrgetter of one name returns the value itself, not a 1-tuple.
+            getter = operator.attrgetter(*names) if len(names) > 1 else None
+            found = self.layouts[kind] = _Layout(cls, names, frozenset(names), edge, getter)
         return found
 
     def dataclass(self, value: Any, depth: int) -> dict[str, Any]:
-        cls = self.named(type(value))
+        layout = self.layout(type(value))
         self.enter(value, depth)
-        names, known, edge = self.layout(type(value), cls)
+        names, edge = layout.names, layout.edge
+        values: Sequence[Any] | None = None
+        if layout.getter is not None:
+            try:  # every field at once, in one C call
+                values = layout.getter(value)
+            except AttributeError:  # an init=False field without a default is unset: one by one
+                values = None
         fields: list[list[Any]] = []
-        missing = object()
         simple = _PLAIN_TYPES
-        for name in names:
-            item = getattr(value, name, missing)
-            if item is missing:  # an init=False field without a default may be unset
-                continue
-            if name == edge:
-                if not isinstance(item, protocol.RecordSetRef):
-                    raise TypeError(
-                        f"{self.where()}.{name}: a dependency field holds a RecordSetRef, "
-                        f"got {type(item).__name__}"
-                    )
-                fields.append([name, {"t": "rset", "d": self.dependency(item)}])
-            elif type(item) in simple:  # most fields: their own node, as _leaf gives it
-                fields.append([name, item])
-            else:
-                leaf = _leaf(item)
-                fields.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
+        if values is not None:
+            for name, item in zip(names, values, strict=True):
+                if type(item) in simple and name != edge:  # most fields: their own node (_leaf's)
+                    fields.append([name, item])
+                else:
+                    fields.append([name, self.field(name, item, edge, depth)])
+        else:
+            missing = object()
+            for name in names:
+                item = getattr(value, name, missing)
+                if item is not missing:
+                    fields.append([name, self.field(name, item, edge, depth)])
         extra: list[list[Any]] = []
+        known = layout.known
         for name, item in getattr(value, "__dict__", {}).items():
             if name not in known:
                 leaf = _leaf(item)
                 extra.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
         self.leave(value)
-        return {"t": "dataclass", "cls": cls, "fields": fields, "attrs": extra}
+        return {"t": "dataclass", "cls": layout.cls, "fields": fields, "attrs": extra}
+
+    def field(self, name: str, item: Any, edge: str | None, depth: int) -> Any:
+        """The node of one dataclass field (the dependency field's is an ``rset`` node)."""
+        if name == edge:
+            if not isinstance(item, protocol.RecordSetRef):
+                raise TypeError(
+                    f"{self.where()}.{name}: a dependency field holds a RecordSetRef, "
+                    f"got {type(item).__name__}"
+                )
+            return {"t": "rset", "d": self.dependency(item)}
+        leaf = _leaf(item)
+        return leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What encoding a dataclass type needs, once per type and encoding call."""
+
+    cls: str  # its module:qualname
+    names: tuple[str, ...]  # its fields, in declaration order
+    known: frozenset[str]  # the same, as a set (other attributes are stored apart)
+    edge: str | None  # its dependency field, if any
+    getter: Callable[[Any], tuple[Any, ...]] | None  # all fields at once (None: fewer than two)
 
 
 def encode_sample(

@@ -454,6 +454,11 @@ def default_convert(
     return data
 
 
+#: Python number types a flat list may hold to be converted through NumPy, per target kind.
+_INTEGRAL = frozenset({int, bool})
+_NUMERIC = frozenset({int, float, bool})
+
+
 def _tensor(value: Any, dtype: str) -> Any:
     """A per-row value as a torch tensor of ``dtype``; TensorRefs stay lazy references."""
     import numpy as np
@@ -466,6 +471,16 @@ def _tensor(value: Any, dtype: str) -> Any:
         return value.detach().cpu().to(target)
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value)).to(target)
+    if type(value) is list and set(map(type, value)) <= (_INTEGRAL if dtype.startswith("int") else _NUMERIC):
+        # A flat list of Python numbers (token ids, log-probs: most of a conversion) converts
+        # several times faster through NumPy, to the same values: ints exactly, floats by the
+        # same C cast (an overflow to infinity included, hence no warning). Anything else, and
+        # an int out of the dtype's range, goes to torch.tensor, which converts or refuses it.
+        try:
+            with np.errstate(over="ignore"):
+                return torch.from_numpy(np.array(value, dtype=dtype))
+        except OverflowError:
+            pass
     return torch.tensor(value, dtype=target)
 
 
