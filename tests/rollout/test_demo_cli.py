@@ -82,11 +82,36 @@ def test_bad_demo_arguments_are_refused_before_anything_is_written(
 
 
 def test_the_child_gets_every_setting_the_supervisor_was_given(tmp_path: Path) -> None:
+    """Every flag the supervisor accepts, given a value other than its default, reaches the child
+    unchanged, so a flag added later and not forwarded fails here (as --storage-declaration once
+    did)."""
+    import argparse
+
     from straw.cli import build_parser, demo
 
-    declaration = tmp_path / "mount.json"
-    given = ["demo", "--dir", str(tmp_path / "d"), "--storage-declaration", str(declaration), "--online-gc"]
+    supervisor_only = {"child", "fresh", "kill_at_step", "no_plot", "help"}
+    flags = argparse.ArgumentParser(add_help=False)
+    demo.add_arguments(flags)
+    given = ["demo"]
+    for action in flags._actions:
+        if action.dest in supervisor_only:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            given.append(flag)
+        elif action.choices:
+            given += [flag, next(str(c) for c in action.choices if c != action.default)]
+        elif action.type in (int, float):
+            given += [flag, str(action.default * 2 if action.default else 1)]
+        else:
+            given += [flag, str(tmp_path / action.dest)]
     options = build_parser().parse_args(given)
     child = build_parser().parse_args([*demo._argv(options), "--child"])
     assert demo._settings(child) == demo._settings(options)
-    assert child.storage_declaration == str(declaration)
+    differing = {
+        name: (value, getattr(child, name))
+        for name, value in vars(options).items()
+        if name not in supervisor_only and getattr(child, name) != value
+    }
+    assert differing == {}
+    assert child.storage_declaration == str(tmp_path / "storage_declaration")

@@ -44,6 +44,9 @@ _OVERHEAD_BYTES = 4096
 _FIXED_FILES = 32
 #: Seconds between two budget checks of the driver while the worker runs.
 _POLL_S = 0.2
+#: Longest a caught-up reader waits for a writer of its own process before asking again (writers
+#: of other worker processes wake nobody here, so the wait is bounded).
+_CAUGHT_UP_WAIT_S = 0.01
 _RUN_ID = "benchmark"
 _STOP = "STOP"
 
@@ -224,6 +227,9 @@ class _Worker:
         self.args = args
         self.client = QueueClient(args.address, token=(self.root / "rpc.token").read_text())
         self.lock = threading.Lock()
+        #: Notified when a writer of this process completes a task, so caught-up readers wait
+        #: instead of asking for an empty page in a tight loop (CPU the writers need).
+        self.published = threading.Condition(self.lock)
         self.counts = {"publications": 0, "written_bytes": 0, "read_bytes": 0}
         self.failures: list[BaseException] = []
 
@@ -234,6 +240,8 @@ class _Worker:
         with self.lock:
             for key, value in counts.items():
                 self.counts[key] += value
+            if counts.get("publications"):
+                self.published.notify_all()
 
     def write(self, rank: int) -> None:
         payloads = [bytes([(rank + n) % 251]) * size for n, size in enumerate(self.args.record_bytes)]
@@ -272,6 +280,9 @@ class _Worker:
                 cursor = page["cursor"]
                 if page["end_of_input"] and not page["commits"]:
                     return
+                if not page["commits"]:
+                    with self.published:
+                        self.published.wait(_CAUGHT_UP_WAIT_S)
 
     def guarded(self, body: Any, rank: int) -> None:
         try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from .._fs import posix
+from .._journal import frame as journal_frame
 from .._pack import frame
 from ..errors import CorruptData, UnsupportedSchema
 from ..limits import INDEX_BYTES_MAX
@@ -78,7 +79,7 @@ class _File:
         position = start
         while position < self.size:
             chunk = bytes(posix.pread_exact(self.fd, min(READ_BYTES, self.size - position), position))
-            if not chunk or chunk.strip(b"\0"):
+            if not chunk or not journal_frame.all_zero(chunk):
                 return not chunk
             position += len(chunk)
         return True

@@ -146,7 +146,7 @@ def _frames_in_wal(root: str, directory: str) -> bool:
             data = posix.read_file(path)
         except FileNotFoundError:
             continue
-        if data[journal_frame.SEGMENT_HEADER_BYTES :].strip(b"\0"):
+        if not journal_frame.all_zero(data[journal_frame.SEGMENT_HEADER_BYTES :]):
             return True
     return False
 
