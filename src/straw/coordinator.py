@@ -638,6 +638,8 @@ class Coordinator:
             if spilled is not None:
                 self._spilled.append(spilled)
             self._prune_history(state.history.names())
+            for file in state.history.files:  # the rebuilt state's descriptors (the live state
+                file.close()  # opens its own again when a lookup reads the shared new file)
             self._snapshot_error = None
         except _Abandoned:
             return  # closing: not a failure, nothing was written since the switch

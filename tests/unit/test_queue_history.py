@@ -18,6 +18,7 @@ import pytest
 import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
+from straw._journal import history_io
 from straw._queue import history
 from straw._queue.machine import new_state, state_from_dict, state_to_dict
 from straw.cli import main
@@ -214,3 +215,7 @@ GOLDEN = (
     "000000003c000000000000002500000000000000170000000000000059986f6c"
     "c97071ecec8f3f713140a3b2"
 )
+
+
+def test_the_shell_and_the_format_name_the_same_directory() -> None:
+    assert history_io.HIST_DIR == history.HIST_DIR

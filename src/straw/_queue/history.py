@@ -131,6 +131,7 @@ class HistoryFile:
         self._task_hashes: array.array[int] | None = None
         self._sub_hashes: array.array[int] | None = None
         self._read_trailer()
+        source.close()  # a file is read again only when a lookup needs it (it may never)
 
     def describe(self) -> list[Any]:
         """How a snapshot names this file: [name, size, index checksum, p0, p1, counts]."""
