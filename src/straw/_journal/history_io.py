@@ -18,7 +18,8 @@ HIST_DIR = "hist"
 
 
 class FileSource:
-    """One history file on disk."""
+    """One history file on disk. A missing file raises ``FileNotFoundError``; any other OS
+    error is translated here (``QuotaExceeded``, ``StorageUnavailable``), naming the file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -26,13 +27,23 @@ class FileSource:
         self._fd: int | None = None
 
     def size(self) -> int:
-        return posix.getsize(self.path)
+        try:
+            return posix.getsize(self.path)
+        except FileNotFoundError:
+            raise  # the format names the missing file (CorruptData)
+        except OSError as error:
+            raise posix.storage_error(error, f"reading queue history file {self.path}") from error
 
     def pread(self, size: int, offset: int) -> bytes | bytearray:
-        with self._lock:
-            if self._fd is None:
-                self._fd = posix.open_read(self.path)
-            return posix.pread_exact(self._fd, size, offset)
+        try:
+            with self._lock:
+                if self._fd is None:
+                    self._fd = posix.open_read(self.path)
+                return posix.pread_exact(self._fd, size, offset)
+        except FileNotFoundError:
+            raise
+        except OSError as error:  # a full disk stays QuotaExceeded, anything else StorageUnavailable
+            raise posix.storage_error(error, f"reading queue history file {self.path}") from error
 
     def close(self) -> None:
         with self._lock:
