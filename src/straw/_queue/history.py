@@ -20,12 +20,14 @@ from __future__ import annotations
 import array
 import bisect
 import struct
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import xxhash
 
 from ..errors import CorruptData, StorageUnavailable, invariant
+from ..limits import HISTORY_BLOCK_ROWS
 from ..protocol import decode, encode
 
 HIST_DIR = "hist"
@@ -85,21 +87,27 @@ def build(
     positions ``first``, ``first + 1``, ... in order; ``meta`` is the file's summary row.
     """
     header = HEADER.pack(MAGIC, VERSION, 0, seq, first)
-    rows: list[bytes] = []
+    blocks: list[bytes] = []
     offset = len(header)
 
-    def put(value: Any) -> bytes:
+    def put(values: Sequence[Any]) -> list[bytes]:
+        """Rows in blocks of HISTORY_BLOCK_ROWS, each block compressed: the entries of the rows."""
         nonlocal offset
-        data = encode(value)
-        rows.append(data)
-        entry = ENTRY.pack(offset, len(data), 0, _row_hash(data))
-        offset += len(data)
-        return entry
+        entries = []
+        for start in range(0, len(values), HISTORY_BLOCK_ROWS):
+            chunk = values[start : start + HISTORY_BLOCK_ROWS]
+            data = zlib.compress(encode(list(chunk)), 1)
+            blocks.append(data)
+            checksum = _row_hash(data)
+            entries += [ENTRY.pack(offset, len(data), k, checksum) for k in range(len(chunk))]
+            offset += len(data)
+        return entries
 
-    task_index = sorted((key_hash(task_id), put(row)) for task_id, row in tasks)
-    position_entries = [put(row) for _, row in receipts]
+    hashed = sorted(((key_hash(task_id), row) for task_id, row in tasks), key=lambda item: item[0])
+    task_index = list(zip([h for h, _ in hashed], put([row for _, row in hashed]), strict=True))
+    position_entries = put([row for _, row in receipts])
     sub_index = sorted((key_hash(sub), first + k) for k, (sub, _) in enumerate(receipts))
-    meta_entry = put(meta)
+    (meta_entry,) = put([meta])
     index_at = offset
     index = b"".join(
         [
@@ -116,7 +124,7 @@ def build(
     fields = (END_MAGIC, *counts, m_offset, m_length, 0, m_hash)
     body = TRAILER.pack(*fields, 0)[: -_U64.size]
     checksum = _row_hash(header + index + body)
-    return [header, *rows, index, body + _U64.pack(checksum)], checksum
+    return [header, *blocks, index, body + _U64.pack(checksum)], checksum
 
 
 class HistoryFile:
@@ -128,6 +136,7 @@ class HistoryFile:
         self.size = size
         self.checksum = checksum
         self._source = source
+        self._block: tuple[int, list[Any]] | None = None  # the last block read, decoded
         self._task_hashes: array.array[int] | None = None
         self._sub_hashes: array.array[int] | None = None
         self._read_trailer()
@@ -210,16 +219,28 @@ class HistoryFile:
         return tasks, subs
 
     def _row(self, entry: bytes | bytearray) -> Any:
-        offset, length, _, checksum = ENTRY.unpack(entry)
+        offset, length, k, checksum = ENTRY.unpack(entry)
         if not HEADER.size <= offset <= offset + length <= self.index_at:
             raise self._corrupt(f"an index entry points outside its rows ({offset}+{length})")
-        data = self._pread(length, offset)
-        if _row_hash(data) != checksum:
-            raise self._corrupt(f"the row at offset {offset} does not match its checksum")
-        try:
-            return decode(bytes(data))
-        except CorruptData as error:
-            raise self._corrupt(f"the row at offset {offset} is not JSON ({error})") from None
+        cached = self._block
+        if cached is not None and cached[0] == offset:
+            rows = cached[1]  # paging (read_commits) reads a block's rows one after another
+        else:
+            data = self._pread(length, offset)
+            if _row_hash(data) != checksum:
+                raise self._corrupt(f"the block at offset {offset} does not match its checksum")
+            try:
+                rows = decode(zlib.decompress(bytes(data)))
+            except (CorruptData, zlib.error) as error:
+                raise self._corrupt(
+                    f"the block at offset {offset} is not compressed JSON ({error})"
+                ) from None
+            if not isinstance(rows, list):
+                raise self._corrupt(f"the block at offset {offset} is not a list of rows")
+            self._block = (offset, rows)
+        if k >= len(rows):
+            raise self._corrupt(f"an index entry names row {k} of a block of {len(rows)}")
+        return rows[k]
 
     def task(self, task_id: str, wanted: int | None = None) -> Any | None:
         """The row of task ``task_id`` (its first element is the id), or None. ``wanted``: the
