@@ -14,6 +14,7 @@ This file is also the child program: ``python tests/test_snapshot_crash.py <pool
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw.backend import FilesystemBackend
-from straw.protocol import CommitReceipt, as_dict
+from straw.protocol import CommitReceipt, Lease, RecordSetRef, as_dict
 
 pytestmark = pytest.mark.crash
 
@@ -35,7 +36,15 @@ HERE = Path(__file__).resolve()
 TASKS = 40
 #: The occurrence of the phase that kills the child (earlier snapshots have finished by then).
 NTH = 3
-PHASES = ("before_segment_switch", "after_segment_switch", "before_snapshot_write", "after_snapshot_write")
+PHASES = (
+    "before_segment_switch",
+    "after_segment_switch",
+    "before_history_write",
+    "after_history_write",
+    "before_snapshot_write",
+    "after_snapshot_write",
+    "before_history_prune",
+)
 
 
 def child(root: str, phase: str) -> None:
@@ -44,12 +53,20 @@ def child(root: str, phase: str) -> None:
     store = SharedFilesystemStore(root, RUN, backend=FilesystemBackend(root, fault=hook))
     coord = Coordinator(store, exclusive_owner=OWNER, recover=True)
     while True:
-        receipt = qh.work_one(coord, "child")
-        if isinstance(receipt, str):
-            print(json.dumps({"status": receipt}), flush=True)
+        result = coord.acquire("child")
+        if result.status != "acquired":
+            print(json.dumps({"status": result.status}), flush=True)
             sys.stdin.readline()
             return
-        print(json.dumps(as_dict(receipt)), flush=True)
+        lease = result.assignments[0].lease
+        ref = qh.result_for(store, lease, submission_id=f"sub-{lease.task_id}")
+        receipt = coord.complete_task(
+            lease, submission_id=f"sub-{lease.task_id}", result_ref=ref, result_digest=ref.digest
+        )
+        print(
+            json.dumps({"receipt": as_dict(receipt), "lease": as_dict(lease), "ref": as_dict(ref)}),
+            flush=True,
+        )
 
 
 @pytest.mark.timeout(120)
@@ -60,20 +77,29 @@ def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: P
         coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
     process = child_io.start(HERE, root, phase)
     printed: list[CommitReceipt] = []
+    retries: list[tuple[Lease, RecordSetRef]] = []
     with child_io.children(process):
         assert process.stdout is not None
         for line in process.stdout:
             item = json.loads(line)
             assert "status" not in item, "the child ran out of work before the phase was reached"
-            printed.append(CommitReceipt.from_dict(item))
+            printed.append(CommitReceipt.from_dict(item["receipt"]))
+            retries.append((Lease.from_dict(item["lease"]), RecordSetRef.from_dict(item["ref"])))
         assert process.wait(child_io.CHILD_TIMEOUT_S) == -signal.SIGKILL
     assert printed, "the kill came before any receipt"
     with (
         SharedFilesystemStore(root, RUN) as store,
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
     ):
-        for receipt in printed:
+        assert coord._state.history.files, "the kill came before any history file was named"
+        for receipt, (lease, ref) in zip(printed, retries, strict=True):
             assert coord.lookup_submission(receipt.submission_id) == receipt
+            assert coord.task_status(receipt.task_id)["state"] == "completed"
+            # A retry after a lost reply (its lease long revoked) gets the same receipt, from disk.
+            again = coord.complete_task(
+                lease, submission_id=receipt.submission_id, result_ref=ref, result_digest=ref.digest
+            )
+            assert again == receipt
         while not isinstance(qh.work_one(coord, "parent"), str):
             pass
         commits = coord.commits
@@ -85,6 +111,12 @@ def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: P
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
     ):
         assert len(coord.commits) == TASKS
+        assert sorted(c["task_id"] for c in coord.commits) == [f"t{i:02d}" for i in range(TASKS)]
+        assert all(coord.task_status(f"t{i:02d}")["state"] == "completed" for i in range(TASKS))
+        # Every history file left is one the newest snapshot names (orphans of the kill pruned
+        # by a later snapshot, or left for the next one: never one a snapshot still needs).
+        named = coord._state.history.names()
+        assert named <= set(os.listdir(os.path.join(coord.directory, "hist")))
 
 
 if __name__ == "__main__":

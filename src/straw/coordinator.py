@@ -9,6 +9,7 @@ second one, in any process or on any client of a shared mount, is refused.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import math
@@ -27,7 +28,9 @@ from typing import Any
 from ._catalog.state import queue_owner
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
+from ._journal import history_io
 from ._journal.log import Journal
+from ._queue import history as history_files
 from ._queue import validate
 from ._queue.machine import (
     COMPLETED,
@@ -43,6 +46,7 @@ from ._queue.machine import (
     ref_key,
     state_from_dict,
     state_to_dict,
+    task_from_row,
 )
 from ._queue.progress import Acknowledged, acknowledged, parse_progress
 from .errors import (
@@ -54,7 +58,12 @@ from .errors import (
     UnsafeRecovery,
     UnsupportedSchema,
 )
-from .limits import ADOPTIONS_PENDING_MAX, JOURNAL_SNAPSHOT_BYTES_MIN, TASK_METADATA_BYTES_MAX
+from .limits import (
+    ADOPTIONS_PENDING_MAX,
+    HISTORY_FORGET_PER_CALL,
+    JOURNAL_SNAPSHOT_BYTES_MIN,
+    TASK_METADATA_BYTES_MAX,
+)
 from .protocol import (
     AcquireResult,
     Assignment,
@@ -135,6 +144,15 @@ def _as_objects(updates: Iterable[object]) -> Iterable[object]:
             update = item
         out.append(update)
     return out
+
+
+@dataclass
+class _Spilled:
+    """A durable history file the live state has yet to take over (J5 H3)."""
+
+    file: history_files.HistoryFile
+    stop: int
+    task_ids: list[str]
 
 
 class _Abandoned(Exception):
@@ -222,6 +240,9 @@ class Coordinator:
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
         self._snapshotter: threading.Thread | None = None  # the background snapshot (J5), if any
         self._snapshot_error: BaseException | None = None
+        #: History files a background snapshot made durable (J5 H3), for the live state to
+        #: take over: (file, accepted count it holds up to, ids of the tasks it holds).
+        self._spilled: collections.deque[_Spilled] = collections.deque()
         store._ensure_catalog()  # I20: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
@@ -446,7 +467,7 @@ class Coordinator:
             data = decode(body)
             found = data.get("identity") if isinstance(data, dict) else None
             identity[0] = found if isinstance(found, dict) else None
-            holder[0] = state_from_dict(data, limits)
+            holder[0] = state_from_dict(data, limits, history_io.opener(self.directory))
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
@@ -474,6 +495,7 @@ class Coordinator:
         )
         try:
             self._state, _ = self._replay(self._limits(), reader, self._journal.durable_seq)
+            self._spilled.clear()  # the state read back names the history its snapshot names
         except Exception as error:
             raise UnsafeRecovery(
                 f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r} and its durable "
@@ -507,6 +529,7 @@ class Coordinator:
         """
         with self._lock:
             self._usable()
+            self._take_history(HISTORY_FORGET_PER_CALL)
             self._maybe_snapshot()
             result = check()
             if isinstance(result, Answer):
@@ -604,10 +627,19 @@ class Coordinator:
         is built and written. Frames after ``seq`` wait only for the segment switch (J5.2)."""
         try:
             self._journal.switch()
-            body = self._snapshot_body(seq)
+            state = self._snapshot_state(seq)
+            spilled = self._spill(state, seq)
+            body = self._snapshot_bytes(state)
             if self._closed:
                 raise _Abandoned  # close() writes its own snapshot, of everything
             self._journal.write_snapshot_at(seq, chain, body)
+            # H3: the snapshot naming the file is durable; the live state may now forget what
+            # the file holds (it does so bit by bit, in later calls: _take_history).
+            if spilled is not None:
+                self._spilled.append(spilled)
+            self._prune_history(state.history.names())
+            for file in state.history.files:  # the rebuilt state's descriptors (the live state
+                file.close()  # opens its own again when a lookup reads the shared new file)
             self._snapshot_error = None
         except _Abandoned:
             return  # closing: not a failure, nothing was written since the switch
@@ -623,7 +655,7 @@ class Coordinator:
             if self._journal.failed is not None and self._broken is None:
                 self._broken = error
 
-    def _snapshot_body(self, seq: int) -> bytes:
+    def _snapshot_state(self, seq: int) -> QueueState:
         """J5.3: the state as of frame ``seq``, rebuilt from the files (the newest snapshot and the
         segments up to ``seq``, which nothing writes any more) by a read-only replay: the live
         state is never copied or read, so it stays free for calls (I10 makes the two equal)."""
@@ -632,9 +664,72 @@ class Coordinator:
         )
         # close() must not wait for a whole rebuild: it abandons this one (it snapshots itself).
         state, _ = self._replay(self._limits(), reader, seq, stop=lambda: self._closed)
+        return state
+
+    def _snapshot_bytes(self, state: QueueState) -> bytes:
         body = state_to_dict(state)
         body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
         return encode(body)
+
+    def _spill(self, state: QueueState, seq: int) -> _Spilled | None:
+        """J5 H1-H2: what is terminal as of frame ``seq`` goes to ``hist/<seq>.hist`` (written,
+        synced and named by D0), and the rebuilt ``state`` keeps only live work plus the file."""
+        tasks, stop = state.spillable()
+        first = state.commits.base
+        if not tasks and stop == first:
+            return None
+        task_rows, receipts, meta = state.spill_rows(tasks, stop)
+        chunks, checksum = history_files.build(seq, first, task_rows, receipts, meta)
+        directory = os.path.join(self.directory, history_files.HIST_DIR)
+        path = os.path.join(directory, history_files.file_name(seq))
+        durable.make_dirs(directory, str(self.backend.root), self.backend.sync_dir)
+        self.backend.fault("before_history_write")
+        durable.replace_file(path, chunks, self.backend.sync_file, self.backend.sync_dir)
+        self.backend.fault("after_history_write")
+        name = os.path.basename(path)
+        file = history_files.HistoryFile(
+            name, history_io.FileSource(path), sum(len(c) for c in chunks), checksum
+        )
+        file.counts = dict(meta["counts"])
+        file.load()  # here, off the lock: the first lookup of a call then reads no index
+        task_ids = [t.spec.task_id for t in tasks]
+        state.attach(file)
+        state.forget_submissions(state.forget_receipts(stop))
+        state.forget_tasks(task_ids)
+        return _Spilled(file, stop, task_ids)
+
+    def _prune_history(self, named: set[str]) -> None:
+        """J5 H4, once the snapshot naming ``named`` is durable: history files it does not name
+        (written by a snapshot that never became durable) are deleted. Failures are harmless."""
+        directory = os.path.join(self.directory, history_files.HIST_DIR)
+        self.backend.fault("before_history_prune")
+        try:
+            for name in posix.listdir(directory):
+                if name.endswith(history_files.SUFFIX) and name not in named:
+                    posix.unlink_quietly(os.path.join(directory, name))
+        except OSError:
+            return  # the next snapshot tries again; an extra file costs only disk space
+
+    def _take_history(self, budget: int) -> None:
+        """J5 H3 (lock held): the live state takes over durable history files in order, forgetting
+        at most ``budget`` entries per call, so no call waits for a whole file's worth."""
+        while self._spilled and budget > 0:
+            spilled = self._spilled[0]
+            state = self._state
+            if spilled.file not in state.history.files:
+                state.attach(spilled.file)
+            while budget > 0 and state.commits.base < spilled.stop:
+                cut = min(spilled.stop, state.commits.base + budget)
+                ids = state.forget_receipts(cut)
+                state.forget_submissions(ids)
+                budget -= len(ids)
+            while budget > 0 and spilled.task_ids:
+                chunk = spilled.task_ids[-budget:]
+                del spilled.task_ids[-budget:]
+                state.forget_tasks(chunk)
+                budget -= len(chunk)
+            if state.commits.base == spilled.stop and not spilled.task_ids:
+                self._spilled.popleft()
 
     def _await_snapshot(self) -> BaseException | None:
         """Wait for a background snapshot to end (close, tests); the last snapshot's error, if any."""
@@ -928,7 +1023,7 @@ class Coordinator:
 
     def task_status(self, task_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
-            task = self._state.tasks.get(task_id)
+            task = self._state.find_task(task_id)  # a finished one may answer from its history file
             return task.status() if task is not None else None
 
         return self._query(read)  # type: ignore[no-any-return]
@@ -940,7 +1035,7 @@ class Coordinator:
 
     def lookup_submission(self, submission_id: str) -> CommitReceipt | None:
         def read() -> dict[str, Any] | None:
-            position = self._state.submissions.get(submission_id)
+            position = self._state.position_of(submission_id)
             return self._state.commits[position] if position is not None else None
 
         found = self._query(read)
@@ -1064,7 +1159,7 @@ class Coordinator:
         back = self._query(lambda: self._state.reowned_by(acked))
         if not back:
             return acked, frozenset(), set()
-        receipts = self._query(lambda: [(self._state.commits[p], self._state.commit_packs[p]) for p in back])
+        receipts = self._query(lambda: [(self._state.commits[p], self._state.packs_at(p)) for p in back])
         refs = [RecordSetRef.from_dict(receipt["result_ref"]) for receipt, _ in receipts]
         packs = self.store.reach(refs)  # missing -> StorageUnavailable, damaged -> CorruptData
         # Only history something still protects (a retained checkpoint owns its packs) can be
@@ -1266,7 +1361,14 @@ class Coordinator:
 
     @property
     def tasks(self) -> dict[str, dict[str, Any]]:
-        return dict(self._query(lambda: {k: t.status() for k, t in self._state.tasks.items()}))
+        def read() -> dict[str, dict[str, Any]]:
+            state = self._state
+            # Every task ever submitted: the finished ones in history files too (in file order).
+            found = {row[0]: task_from_row(row, state).status() for row in state.history.task_rows()}
+            found.update((k, t.status()) for k, t in state.tasks.items())
+            return found
+
+        return dict(self._query(read))
 
     @property
     def commits(self) -> list[dict[str, Any]]:
@@ -1340,6 +1442,8 @@ class Coordinator:
         self._await_snapshot()
         with self._lock:
             try:
+                if self._broken is None:
+                    self._take_history(len(self._state.tasks) + len(self._state.commits) + 1)
                 if (
                     self._broken is None
                     and self._journal.failed is None
@@ -1356,6 +1460,7 @@ class Coordinator:
                 raise posix.storage_error(error, f"closing queue {self.queue_id!r}") from error
             finally:
                 self._journal.close()
+                self._state.history.close()
                 lock.unlock(self._lock_fd)
 
     def __enter__(self) -> Coordinator:

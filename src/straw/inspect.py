@@ -26,6 +26,7 @@ from ._fs import posix
 from ._inspect.gather import Pool, gather
 from ._inspect.layout import LIVE_FILE, NotAPool
 from ._inspect.queue_view import QueueView
+from ._queue.machine import task_from_row
 from .backend import FilesystemBackend
 from .errors import InvalidReference, QueueError, UnsafeRecovery
 from .protocol import RecordRef, RecordSetRef, as_dict, decode
@@ -168,11 +169,15 @@ def _journal_roots(pool: Pool, view: QueueView, retained: set[str], failures: li
         )
         return
     refs: list[dict[str, Any]] = [as_dict(t.spec.input_ref) for t in state.tasks.values() if t.spec.input_ref]
+    for row in state.history.task_rows():  # finished tasks in history files (their inputs too)
+        spec = task_from_row(row, state).spec
+        if spec.input_ref is not None:
+            refs.append(as_dict(spec.input_ref))
     for inputs in state.read_inputs.values():
         refs += inputs
     for position in range(len(state.commits)):
         refs.append(state.commits[position]["result_ref"])
-        retained.update(state.commit_packs[position])
+        retained.update(state.packs_at(position))
     for consumer in state.consumers.values():
         if consumer.state is not None:
             refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]

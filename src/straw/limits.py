@@ -151,6 +151,14 @@ invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid re
 #: is copied into a snapshot at most about once).
 JOURNAL_SNAPSHOT_BYTES_MIN = 64 * MiB
 
+#: Entries (receipts, submission ids, tasks) the live state forgets per call once a history
+#: file holds them (J5 H3): the work is spread over calls, so none waits long behind it.
+HISTORY_FORGET_PER_CALL = 1024
+
+#: Rows per compressed block of a history file (docs/FORMAT.md 8.4): a lookup reads and
+#: inflates one block; neighbouring receipts share segments and compress well together.
+HISTORY_BLOCK_ROWS = 64
+
 #: Catalog log size after which its lock holder compacts it into a snapshot and a new log
 #: (the real threshold is the larger of this and twice the last snapshot, docs/GC.md G7).
 CATALOG_COMPACT_BYTES_MIN = 16 * MiB

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import queue_helpers as qh
+import straw.coordinator as coordinator_module
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw.errors import LeaseExpired, StaleAttempt
 from straw.protocol import CommitReceipt, Lease, RecordSetRef
@@ -495,3 +496,53 @@ CoordinatorModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCoordinatorModel = CoordinatorModel.TestCase
+
+
+class SpillingCoordinatorModel(CoordinatorModel):
+    """The same model with a snapshot after every call, in the calling thread: what turns
+    terminal moves to history files at once (docs/FORMAT.md 8.4), so every lookup below is
+    answered from disk for most of history, and must stay exact (issue 12 item 1)."""
+
+    def __init__(self) -> None:
+        self._saved = (
+            coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN,
+            coordinator_module.SNAPSHOTS_IN_BACKGROUND,
+        )
+        coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN = 1
+        coordinator_module.SNAPSHOTS_IN_BACKGROUND = False
+        super().__init__()
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN, coordinator_module.SNAPSHOTS_IN_BACKGROUND = (
+                self._saved
+            )
+
+    @invariant()
+    def lookups_exact(self) -> None:
+        for task_id, task in self.tasks.items():
+            status = self.coord.task_status(task_id)
+            assert status is not None and (status["state"], status["failures"]) == (task.state, task.failures)
+        for submission, acked in self.acked.items():
+            assert self.coord.lookup_submission(submission) == acked.receipt
+        SPILLED.append(len(self.coord._state.history.files))
+
+
+#: History files seen after each step (the test below checks the model did reach the disk).
+SPILLED: list[int] = []
+
+
+def test_the_spilling_model_reaches_history_files() -> None:
+    _SpillingCase("runTest").runTest()
+    assert max(SPILLED) > 0
+
+
+SpillingCoordinatorModel.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+_SpillingCase = SpillingCoordinatorModel.TestCase  # run (and checked) by the test above

@@ -15,10 +15,11 @@ from typing import Any
 from .._catalog.state import queue_owner
 from .._fs import posix
 from .._journal import frame as journal_frame
-from .._journal import scan
+from .._journal import history_io, scan
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
 from .._queue.progress import acknowledged
 from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
+from ..errors import QueueError
 from ..protocol import as_dict, decode
 from .journal_scan import JournalScan, scan_journal
 
@@ -135,7 +136,7 @@ def load_queue(root: str, directory: str) -> QueueView:
             )
         )
         return view
-    _replay(view)
+    _replay(view, root)
     return view
 
 
@@ -151,7 +152,7 @@ def _frames_in_wal(root: str, directory: str) -> bool:
     return False
 
 
-def _replay(view: QueueView) -> None:
+def _replay(view: QueueView, root: str) -> None:
     identity = view.identity or {}
     raw = identity.get("limits")
     limits = {k: raw[k] for k in _LIMIT_KEYS if isinstance(raw, dict) and k in raw}
@@ -168,7 +169,7 @@ def _replay(view: QueueView) -> None:
         if view.journal.snapshot is not None:
             data = decode(view.journal.snapshot)
             recorded = data.get("identity") if isinstance(data, dict) else None
-            state = state_from_dict(data, limits)
+            state = state_from_dict(data, limits, history_io.opener(os.path.join(root, view.directory)))
         for seq, body in view.journal.frames:
             event = decode(body)
             state.apply(event)
@@ -189,7 +190,17 @@ def _replay(view: QueueView) -> None:
         )
         return
     view.state = state
+    _check_history(view, state, root)
     _compare_identity(view, recorded)
+
+
+def _check_history(view: QueueView, state: QueueState, root: str) -> None:
+    """Every history file the snapshot names, read whole: a damaged row fails here, not later."""
+    for file in state.history.files:
+        try:
+            file.verify()
+        except QueueError as error:
+            view.problems.append(("queue.history", "error", os.path.relpath(file.path, root), str(error)))
 
 
 def _compare_identity(view: QueueView, recorded: Any) -> None:
@@ -346,7 +357,7 @@ def root_labels(view: QueueView, positions: set[int]) -> tuple[dict[str, list[st
             continue
         label = f"result of task {commit.get('task_id')!r} (accepted at position {position})"
         name(commit.get("result_ref"), label)
-        for pack in state.commit_packs[position]:
+        for pack in state.packs_at(position):
             by_pack.setdefault(pack, []).append(label)
     for consumer_id, consumer in state.consumers.items():
         for key in ("state_ref", "progress_ref"):

@@ -13,9 +13,10 @@ the load are kept as dicts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
+from ..errors import invariant
 from ..protocol import CHECKSUM_ALGORITHM
 
 _FORMAT_VERSION = 1
@@ -35,13 +36,17 @@ class CommitLog:
         self._segments: list[list[Any]] = list(packed["segments"]) if packed else []
         self._rows: list[list[Any]] = list(packed["rows"]) if packed else []
         self._new: list[dict[str, Any]] = []
+        #: Positions below ``base`` moved to history files (docs/FORMAT.md 8.4): ``history``
+        #: reads such a receipt back.
+        self.base: int = int(packed.get("base", 0)) if packed else 0
+        self.history: Callable[[int], dict[str, Any]] | None = None
 
     @classmethod
     def unpack(cls, packed: Mapping[str, Any], run_id: str) -> CommitLog:
         return cls(run_id, packed)
 
     def __len__(self) -> int:
-        return len(self._rows) + len(self._new)
+        return self.base + len(self._rows) + len(self._new)
 
     @overload
     def __getitem__(self, position: int) -> dict[str, Any]: ...
@@ -51,7 +56,7 @@ class CommitLog:
     def __getitem__(self, position: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
         if isinstance(position, slice):
             start, stop, step = position.indices(len(self))
-            loaded = len(self._rows)
+            loaded = self.base + len(self._rows)
             if step == 1 and start >= loaded:
                 return self._new[start - loaded : max(start, stop) - loaded]  # no loaded rows: a plain slice
             return [self._receipt(p) for p in range(start, stop, step)]
@@ -68,18 +73,38 @@ class CommitLog:
         self._new.append(receipt)
 
     def submissions(self) -> dict[str, int]:
-        """Submission id -> position, without building receipts."""
-        out = {row[_SUBMISSION]: p for p, row in enumerate(self._rows)}
-        base = len(self._rows)
+        """Submission id -> position (of those in memory), without building receipts."""
+        out = {row[_SUBMISSION]: p for p, row in enumerate(self._rows, self.base)}
+        base = self.base + len(self._rows)
         for offset, receipt in enumerate(self._new):
             out[receipt["submission_id"]] = base + offset
         return out
 
     def result_path(self, position: int) -> str:
         """The pack holding the manifest of the result at ``position``."""
+        position -= self.base
+        invariant(position >= 0, "the result's receipt is in memory")
         if position < len(self._rows):
             return self._paths[self._segments[self._rows[position][_SLOT]][0]]
         return str(self._new[position - len(self._rows)]["result_ref"]["manifest"]["segment"]["path"])
+
+    def submission_ids(self, stop: int) -> list[str]:
+        """Submission ids of the positions from ``base`` to ``stop`` (in memory)."""
+        count = stop - self.base
+        out = [row[_SUBMISSION] for row in self._rows[:count]]
+        out += [c["submission_id"] for c in self._new[: max(0, count - len(self._rows))]]
+        return out
+
+    def drop_below(self, cut: int) -> None:
+        """Forget the receipts below ``cut``: a history file holds them now."""
+        count = cut - self.base
+        invariant(0 <= count <= len(self) - self.base, "dropped receipts are in memory")
+        if count <= len(self._rows):
+            self._rows = self._rows[count:]
+        else:
+            self._new = self._new[count - len(self._rows) :]
+            self._rows = []
+        self.base = cut
 
     def pack(self, run_id: str) -> dict[str, Any]:
         """The snapshot form: loaded rows as they are, later receipts packed after them."""
@@ -115,13 +140,17 @@ class CommitLog:
                     ref["tokens"],
                 ]
             )
-        return {"paths": paths, "segments": segments, "rows": rows}
+        return {"paths": paths, "segments": segments, "rows": rows, "base": self.base}
 
     def _receipt(self, position: int) -> dict[str, Any]:
-        if position >= len(self._rows):
-            return self._new[position - len(self._rows)]
+        at = position - self.base
+        if at < 0:
+            invariant(self.history is not None, "receipts below base are read from history")
+            return self.history(position)  # type: ignore[misc]
+        if at >= len(self._rows):
+            return self._new[at - len(self._rows)]
         commit_id, task_id, submission_id, commit_digest, slot, ordinal, ref_digest, records, size, tokens = (
-            self._rows[position]
+            self._rows[at]
         )
         ref = {
             "manifest": {"segment": self._segment(slot), "ordinal": ordinal},

@@ -38,6 +38,7 @@ from ..errors import (
 from ..limits import TASK_METADATA_BYTES_MAX
 from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
 from .commits import CommitLog
+from .history import History, HistoryFile, Opener, open_files
 from .index import Key, PendingIndex, pending_key
 
 Event = dict[str, Any]
@@ -161,6 +162,105 @@ class QueueState:
     #: pack), journaled with the call that named it: collecting garbage, even right after a
     #: recovery, reads nothing to know a root's packs (docs/GC.md "Queue roots").
     ref_packs: dict[str, list[str] | int] = field(default_factory=dict)
+    #: Terminal tasks and accepted receipts moved to disk (docs/FORMAT.md 8.4): the receipts
+    #: below ``commits.base``, and tasks no longer in ``tasks``. Looked up when memory misses.
+    history: History = field(default_factory=History)
+
+    # ------------------------------------------------------------------ history on disk
+
+    def find_task(self, task_id: str) -> Task | None:
+        """A task in memory, or rebuilt from its history file (a terminal one)."""
+        task = self.tasks.get(task_id)
+        if task is not None or not self.history:
+            return task
+        row = self.history.task(task_id)
+        return task_from_row(row, self) if row is not None else None
+
+    def known_task(self, task_id: str) -> bool:
+        return task_id in self.tasks or (bool(self.history) and self.history.task(task_id) is not None)
+
+    def position_of(self, submission_id: str) -> int | None:
+        position = self.submissions.get(submission_id)
+        if position is None and self.history:
+            position = self.history.position(submission_id)
+        return position
+
+    def _history_receipt(self, position: int) -> dict[str, Any]:
+        receipt: dict[str, Any] = self.history.receipt(position)[0]
+        return receipt
+
+    def worker_at(self, position: int) -> str:
+        base = self.commits.base
+        return (
+            str(self.history.receipt(position)[1])
+            if position < base
+            else self.commit_workers[position - base]
+        )
+
+    def packs_at(self, position: int) -> list[str]:
+        base = self.commits.base
+        return (
+            list(self.history.receipt(position)[2]) if position < base else self.commit_packs[position - base]
+        )
+
+    def spillable(self) -> tuple[list[Task], int]:
+        """What can move to a history file now: terminal tasks in memory, and the accepted
+        positions up to (not including) the returned count (receipts never change)."""
+        done = [t for t in self.tasks.values() if t.state in (COMPLETED, FAILED, CANCELLED)]
+        return done, len(self.commits)
+
+    def spill_rows(self, tasks: Sequence[Task], stop: int) -> tuple[list[Any], list[Any], dict[str, Any]]:
+        """The rows of a history file for ``tasks`` and positions ``commits.base .. stop - 1``."""
+        task_rows = [(t.spec.task_id, task_row(t, self)) for t in tasks]
+        receipts = []
+        workers: dict[str, list[int]] = {}
+        packs: dict[str, list[int]] = {}
+        unknown: list[int] = []
+        totals = [0, 0, 0]
+        for position in range(self.commits.base, stop):
+            receipt = self.commits[position]
+            worker, reached = self.worker_at(position), self.packs_at(position)
+            receipts.append((receipt["submission_id"], [receipt, worker, reached]))
+            workers.setdefault(worker, []).append(position)
+            for pack in reached:
+                packs.setdefault(pack, []).append(position)
+            if not reached:
+                unknown.append(position)
+            ref = receipt["result_ref"]
+            totals[0] += ref["records"]
+            totals[1] += ref["payload_bytes"]
+            totals[2] += ref["tokens"]
+        counts: dict[str, int] = {}
+        for task in tasks:
+            counts[task.state] = counts.get(task.state, 0) + 1
+        meta = {"workers": workers, "packs": packs, "unknown": unknown, "totals": totals, "counts": counts}
+        return task_rows, receipts, meta
+
+    def attach(self, file: HistoryFile) -> None:
+        """A durable history file (named by a durable snapshot) now answers for what it holds."""
+        self.history.add(file)
+        self.commits.history = self._history_receipt
+
+    def forget_receipts(self, stop: int) -> list[str]:
+        """Drop the receipts below ``stop`` from memory (``attach`` came first); their
+        submission ids, which the caller then forgets with :meth:`forget_submissions`."""
+        base = self.commits.base
+        ids = self.commits.submission_ids(stop)
+        self.commits.drop_below(stop)
+        del self.commit_workers[: stop - base]
+        del self.commit_packs[: stop - base]
+        return ids
+
+    def forget_submissions(self, ids: Iterable[str]) -> None:
+        for submission_id in ids:
+            self.submissions.pop(submission_id, None)
+
+    def forget_tasks(self, task_ids: Iterable[str]) -> None:
+        for task_id in task_ids:
+            task = self.tasks.get(task_id)
+            if task is not None:
+                invariant(task.state in (COMPLETED, FAILED, CANCELLED), "only terminal tasks move to history")
+                del self.tasks[task_id]
 
     # ------------------------------------------------------------------ helpers
 
@@ -220,6 +320,8 @@ class QueueState:
             )
         task = self.tasks.get(lease.task_id)
         if task is None:
+            task = self.find_task(lease.task_id)  # a finished task answers from its history file
+        if task is None:
             raise InvalidReference(f"lease names unknown task {lease.task_id!r}")
         held = task.lease
         if (
@@ -273,9 +375,10 @@ class QueueState:
         if len(set(ids)) != len(ids):
             raise ValueError("submit_tasks got the same task id twice")
         for task_id in ids:
-            if task_id in self.tasks:
+            known = self.tasks.get(task_id) or (self.find_task(task_id) if self.history else None)
+            if known is not None:
                 raise IdempotencyConflict(
-                    f"task id {task_id!r} was already submitted by request {self.tasks[task_id].request_id!r}"
+                    f"task id {task_id!r} was already submitted by request {known.request_id!r}"
                 )
         if self.sealed and specs:
             raise ValueError("input is sealed (seal_input was called); no new tasks are accepted")
@@ -317,7 +420,9 @@ class QueueState:
 
     def _live_entry(self, deadline: float, task_id: str, attempt_id: str) -> bool:
         """True if a heap entry is the current deadline of a current lease."""
-        task = self.tasks[task_id]
+        task = self.tasks.get(task_id)
+        if task is None:
+            return False  # a finished task moved to history: its old entries are stale
         lease = task.lease
         return (
             task.state == LEASED
@@ -485,7 +590,7 @@ class QueueState:
         self, lease: Lease, submission_id: str, result_ref: RecordSetRef, result_digest: str, now: float
     ) -> Answer | None:
         """The cheap part of :meth:`check_complete`: a known submission's receipt, or the first error."""
-        position = self.submissions.get(submission_id)
+        position = self.position_of(submission_id)
         if position is not None:
             receipt = self.commits[position]
             if (receipt["task_id"], receipt["digest"]) != (lease.task_id, result_digest):
@@ -759,11 +864,14 @@ class QueueState:
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(str(reply[1]))
-        self.task(task_id)  # unknown ids raise KeyError and change nothing
+        if self.find_task(task_id) is None:
+            raise KeyError(f"unknown task {task_id!r}")  # changes nothing
         return {"op": "cancel", "request_id": request_id, "fingerprint": fingerprint, "task_id": task_id}
 
     def _apply_cancel(self, event: Event) -> str:
-        task = self.tasks[event["task_id"]]
+        task = self.tasks.get(event["task_id"]) or self.find_task(event["task_id"])
+        if task is None:
+            raise CorruptData(f"the journal cancels task {event['task_id']!r}, which the queue never knew")
         if task.state == PENDING:
             self._dequeue(task)
             self._move(task, "cancel", CANCELLED)
@@ -803,7 +911,10 @@ class QueueState:
         for task_id, attempt_id in event["reads"]:
             self._end_read((task_id, attempt_id))
         worker = event["worker_id"]
-        return [self.commits[p] for p, w in enumerate(self.commit_workers) if w == worker]
+        on_disk = [p for file in self.history.files for p in file.meta()["workers"].get(worker, ())]
+        base = self.commits.base
+        in_memory = [p for p, w in enumerate(self.commit_workers, base) if w == worker]
+        return [self.commits[p] for p in on_disk + in_memory]
 
     def check_release_reads(self, leases: Sequence[Lease]) -> Event:
         return {"op": "release_reads", "reads": self._lease_pairs(list(leases))}
@@ -1060,7 +1171,8 @@ class QueueState:
                 refs.append(as_dict(task.spec.input_ref))
         for inputs in self.read_inputs.values():
             refs += inputs
-        for position, known in enumerate(self.commit_packs):
+        self._history_roots(acknowledged, refs, packs)
+        for position, known in enumerate(self.commit_packs, self.commits.base):
             if not acknowledged(position):
                 if known:
                     packs.update(known)
@@ -1074,6 +1186,20 @@ class QueueState:
                 refs += [batch[k] for k in ("plan_ref", "ready_ref") if batch.get(k) is not None]
         refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
         return refs, packs
+
+    def _history_roots(
+        self, acknowledged: Callable[[int], bool], refs: list[dict[str, Any]], packs: set[str]
+    ) -> None:
+        """Roots among receipts on disk: a pack is needed while any position reaching it is not
+        acknowledged (each file lists its packs with their positions, read once per collection)."""
+        for file in self.history.files:
+            if all(acknowledged(p) for p in range(file.first, file.stop)):
+                continue  # every result of this file processed (or it holds none): no read
+            meta = file.meta()
+            for pack, positions in meta["packs"].items():
+                if pack not in packs and not all(acknowledged(p) for p in positions):
+                    packs.add(pack)
+            refs.extend(self.commits[p]["result_ref"] for p in meta["unknown"] if not acknowledged(p))
 
     def known_reach(self, refs: Iterable[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], set[str]]:
         """Split root references into those whose packs were journaled (their packs, returned)
@@ -1096,7 +1222,20 @@ class QueueState:
         """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
         results not yet processed, plus the estimates of leased production tasks; ready batches."""
         unprocessed = {"records": 0, "bytes": 0, "tokens": 0}
-        for position in range(len(self.commits)):
+        for file in self.history.files:
+            processed = [acknowledged(p) for p in range(file.first, file.stop)]
+            if not any(processed):  # the usual case: nothing of this file processed, its totals
+                totals = file.meta()["totals"] if processed else [0, 0, 0]
+                for name, value in zip(("records", "bytes", "tokens"), totals, strict=True):
+                    unprocessed[name] += value
+                continue
+            for position in range(file.first, file.stop):
+                if not processed[position - file.first]:
+                    ref = self.commits[position]["result_ref"]
+                    unprocessed["records"] += ref["records"]
+                    unprocessed["bytes"] += ref["payload_bytes"]
+                    unprocessed["tokens"] += ref["tokens"]
+        for position in range(self.commits.base, len(self.commits)):
             if not acknowledged(position):
                 ref = self.commits[position]["result_ref"]
                 unprocessed["records"] += ref["records"]
@@ -1218,7 +1357,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         # A result that lives in one pack (the usual case) reaches just its manifest's pack: 0.
         "commit_packs": [
             0 if packs == [state.commits.result_path(position)] else packs
-            for position, packs in enumerate(state.commit_packs)
+            for position, packs in enumerate(state.commit_packs, state.commits.base)
         ],
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
@@ -1227,7 +1366,45 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "checkpoints": state.checkpoints,
         "released": [state.released_cursor, sorted(state.released_positions)],
         "ref_packs": state.ref_packs,
+        "history": state.history.describe(),
     }
+
+
+def task_row(task: Task, state: QueueState) -> list[Any]:
+    """A task as a history file row: its id first, then what ``state_to_dict`` keeps of it."""
+    refs, rows = _compact_specs([task.spec])
+    lease = _lease_row(task.lease, state, task.spec.task_id) if task.lease is not None else None
+    return [
+        task.spec.task_id,
+        task.request_id,
+        task.state,
+        task.order,
+        task.generation,
+        task.failures,
+        task.failure,
+        lease,
+        task.deadline,
+        refs,
+        rows[0],
+    ]
+
+
+def task_from_row(row: Sequence[Any], state: QueueState) -> Task:
+    """The :class:`Task` a history row holds (not put back in the state: it is finished)."""
+    task_id, request_id, status, order, generation, failures, failure, lease, deadline, refs, spec = row
+    (built,) = _expand_specs(refs, [spec])
+    invariant(built.task_id == task_id, "a history row names its own task")
+    return Task(
+        built,
+        request_id,
+        status,
+        order,
+        generation,
+        failures,
+        failure,
+        Lease(state.run_id, state.queue_id, task_id, *lease) if lease is not None else None,
+        deadline,
+    )
 
 
 def _lease_row(lease: Lease, state: QueueState, task_id: str) -> list[Any]:
@@ -1240,8 +1417,10 @@ def _lease_row(lease: Lease, state: QueueState, task_id: str) -> list[Any]:
 
 
 #: Version of the snapshot body (``state_to_dict``). 2: the accepted log as rows, segment rows
-#: and a path table (``straw._queue.commits``), task leases without implied fields.
-SNAPSHOT_VERSION = 2
+#: and a path table (``straw._queue.commits``), task leases without implied fields. 3: terminal
+#: history in files the snapshot names (``history``, docs/FORMAT.md 8.4); 2 is still read.
+SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSIONS = (2, 3)
 
 
 def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueState:
@@ -1255,21 +1434,35 @@ def new_state(run_id: str, queue_id: str, limits: Mapping[str, int]) -> QueueSta
     )
 
 
-def state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> QueueState:
+def state_from_dict(
+    data: Mapping[str, Any], limits: Mapping[str, int], opener: Opener | None = None
+) -> QueueState:
     """Rebuild a state (and its indexes) from :func:`state_to_dict` output.
 
     Python's cycle collector is paused meanwhile: the rebuild allocates one object per
     field of every task and would otherwise trigger full collections over a growing heap.
     """
     version = data.get("v") if isinstance(data, Mapping) else None
-    if version != SNAPSHOT_VERSION:
+    if version not in SNAPSHOT_VERSIONS:
         raise UnsupportedSchema(
-            f"queue snapshot version {version!r} is not supported (this straw reads {SNAPSHOT_VERSION})"
+            f"queue snapshot version {version!r} is not supported (this straw reads {SNAPSHOT_VERSIONS})"
         )
+    described = data.get("history") or []
+    files: list[HistoryFile] = []
+    if described:
+        if opener is None:
+            raise UnsupportedSchema("this queue snapshot names history files; open it with its directory")
+        files = open_files(opener, described)  # trailers only: CorruptData names a bad file
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _state_from_dict(data, limits)
+        state = _state_from_dict(data, limits)
+        for file in files:
+            state.attach(file)
+        for status, count in state.history.counts().items():
+            state.counts[status] += count
+        invariant(state.history.base == state.commits.base, "history files hold the receipts below base")
+        return state
     except (KeyError, IndexError, TypeError, ValueError) as error:
         # The frame's checksum held, so only a writer bug produces this; never guess past it.
         raise CorruptData(f"queue snapshot is malformed ({type(error).__name__}: {error})") from None
@@ -1313,9 +1506,12 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.commit_workers = list(data["commit_workers"])
     state.commit_packs = [
         [state.commits.result_path(position)] if packs == 0 else list(packs)
-        for position, packs in enumerate(data["commit_packs"])
+        for position, packs in enumerate(data["commit_packs"], state.commits.base)
     ]
-    invariant(len(state.commit_packs) == len(state.commits), "one pack list per accepted result")
+    invariant(
+        len(state.commit_packs) == len(state.commits) - state.commits.base,
+        "one pack list per accepted result",
+    )
     state.submissions = state.commits.submissions()
     state.producers = dict(data["producers"])
     for item, inputs in data["reads"]:

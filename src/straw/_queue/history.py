@@ -1,0 +1,389 @@
+"""Terminal history of a queue on disk: sealed, checksummed, indexed files (docs/FORMAT.md 8.4).
+
+A background snapshot (docs/DURABILITY.md J5, H1-H3) moves what can never change again
+out of the queue's state into ``hist/<seq>.hist``: tasks that are completed, failed or
+cancelled as of frame ``seq``, and every accepted receipt below that frame's accepted
+count (a receipt is immutable once accepted). The snapshot then names the file with its
+size and index checksum; the state keeps only live work plus the list of files.
+
+A file is written once and never changed. Its rows are canonical JSON, each with its
+own checksum in the index; the index (sorted 64-bit hashes of task ids and submission
+ids, and one entry per accepted position) and the trailer carry a checksum of their
+own. Opening a file reads only its trailer; the hashes are loaded on the first lookup
+(8 bytes per task and per submission), and each answer reads one entry and one row.
+Anything that does not check out raises :class:`CorruptData` naming the file; a file
+that cannot be read raises :class:`StorageUnavailable`.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import struct
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import xxhash
+
+from ..errors import CorruptData, StorageUnavailable, invariant
+from ..limits import HISTORY_BLOCK_ROWS
+from ..protocol import decode, encode
+
+HIST_DIR = "hist"
+SUFFIX = ".hist"
+MAGIC = b"STRWHIST"
+END_MAGIC = b"STRWHEND"
+VERSION = 1
+#: magic, version, flags (0), sequence number of the snapshot frame, first accepted position.
+HEADER = struct.Struct("<8sIIQQ")
+#: A row's place: offset, length, reserved (0), xxh3-64 of the row's bytes.
+ENTRY = struct.Struct("<QIIQ")
+#: magic, p0, p1, task count, submission count, index offset, the meta row's ENTRY fields,
+#: then xxh3-64 of the header, the index and the trailer bytes before it.
+TRAILER = struct.Struct("<8sQQQQQQIIQQ")
+_U64 = struct.Struct("<Q")
+
+
+class Source(Protocol):
+    """Where a history file's bytes come from (the shell's file, ``straw._journal.history_io``).
+    Both raise ``FileNotFoundError`` for a missing file and ``OSError`` when it cannot be read."""
+
+    path: str
+
+    def size(self) -> int: ...
+
+    def pread(self, size: int, offset: int) -> bytes | bytearray: ...
+
+    def close(self) -> None: ...
+
+
+#: Opens the source of one history file by its name (``hist/<name>``).
+Opener = Callable[[str], Source]
+
+
+def file_name(seq: int) -> str:
+    return f"{seq:020d}{SUFFIX}"
+
+
+def key_hash(key: str) -> int:
+    return int(xxhash.xxh3_64_intdigest(key.encode("utf-8")))
+
+
+def _row_hash(data: bytes | bytearray) -> int:
+    return int(xxhash.xxh3_64_intdigest(bytes(data)))
+
+
+def build(
+    seq: int,
+    first: int,
+    tasks: Sequence[tuple[str, Any]],
+    receipts: Sequence[tuple[str, Any]],
+    meta: dict[str, Any],
+) -> tuple[list[bytes], int]:
+    """The bytes of one history file (pure) and its index checksum.
+
+    ``tasks`` are (task id, row); ``receipts`` are (submission id, row) for the accepted
+    positions ``first``, ``first + 1``, ... in order; ``meta`` is the file's summary row.
+    """
+    header = HEADER.pack(MAGIC, VERSION, 0, seq, first)
+    blocks: list[bytes] = []
+    offset = len(header)
+
+    def put(values: Sequence[Any]) -> list[bytes]:
+        """Rows in blocks of HISTORY_BLOCK_ROWS, each block compressed: the entries of the rows."""
+        nonlocal offset
+        entries = []
+        for start in range(0, len(values), HISTORY_BLOCK_ROWS):
+            chunk = values[start : start + HISTORY_BLOCK_ROWS]
+            data = zlib.compress(encode(list(chunk)), 1)
+            blocks.append(data)
+            checksum = _row_hash(data)
+            entries += [ENTRY.pack(offset, len(data), k, checksum) for k in range(len(chunk))]
+            offset += len(data)
+        return entries
+
+    hashed = sorted(((key_hash(task_id), row) for task_id, row in tasks), key=lambda item: item[0])
+    task_index = list(zip([h for h, _ in hashed], put([row for _, row in hashed]), strict=True))
+    position_entries = put([row for _, row in receipts])
+    sub_index = sorted((key_hash(sub), first + k) for k, (sub, _) in enumerate(receipts))
+    (meta_entry,) = put([meta])
+    index_at = offset
+    index = b"".join(
+        [
+            array.array("Q", [h for h, _ in task_index]).tobytes(),
+            b"".join(e for _, e in task_index),
+            array.array("Q", [h for h, _ in sub_index]).tobytes(),
+            array.array("Q", [p for _, p in sub_index]).tobytes(),
+            b"".join(position_entries),
+        ]
+    )
+    invariant(array.array("Q").itemsize == 8, "array 'Q' holds 64-bit values")
+    m_offset, m_length, _, m_hash = ENTRY.unpack(meta_entry)
+    counts = (first, first + len(receipts), len(task_index), len(sub_index), index_at)
+    fields = (END_MAGIC, *counts, m_offset, m_length, 0, m_hash)
+    body = TRAILER.pack(*fields, 0)[: -_U64.size]
+    checksum = _row_hash(header + index + body)
+    return [header, *blocks, index, body + _U64.pack(checksum)], checksum
+
+
+class HistoryFile:
+    """One sealed history file, read lazily (trailer at open, hashes at the first lookup)."""
+
+    def __init__(self, name: str, source: Source, size: int, checksum: int) -> None:
+        self.path = source.path
+        self.name = name
+        self.size = size
+        self.checksum = checksum
+        self._source = source
+        self._block: tuple[int, list[Any]] | None = None  # the last block read, decoded
+        self._task_hashes: array.array[int] | None = None
+        self._sub_hashes: array.array[int] | None = None
+        self._read_trailer()
+        source.close()  # a file is read again only when a lookup needs it (it may never)
+
+    def describe(self) -> list[Any]:
+        """How a snapshot names this file: [name, size, index checksum, p0, p1, counts]."""
+        return [self.name, self.size, self.checksum, self.first, self.stop, self.counts]
+
+    def _corrupt(self, why: str) -> CorruptData:
+        return CorruptData(f"queue history file {self.path} is damaged: {why}")
+
+    def _missing(self) -> CorruptData:
+        return CorruptData(
+            f"queue history file {self.path} named by the queue's snapshot is missing: the "
+            "terminal tasks and receipts it holds cannot be answered (restore it from a copy)"
+        )
+
+    def _unreadable(self, error: OSError) -> StorageUnavailable:
+        return StorageUnavailable(f"reading queue history file {self.path}: {error}")
+
+    def _pread(self, size: int, offset: int) -> bytes | bytearray:
+        try:
+            data = self._source.pread(size, offset)
+        except FileNotFoundError:
+            raise self._missing() from None
+        except OSError as error:
+            raise self._unreadable(error) from error
+        if len(data) != size:
+            raise self._corrupt(f"{size} bytes at {offset} are past its end (torn or truncated)")
+        return data
+
+    def close(self) -> None:
+        self._source.close()
+
+    def _read_trailer(self) -> None:
+        try:
+            actual = self._source.size()
+        except FileNotFoundError:
+            raise self._missing() from None
+        except OSError as error:
+            raise self._unreadable(error) from error
+        if actual != self.size:
+            raise self._corrupt(f"it holds {actual} bytes, its snapshot recorded {self.size}")
+        if self.size < HEADER.size + TRAILER.size:
+            raise self._corrupt("too short to hold a header and a trailer")
+        trailer = bytes(self._pread(TRAILER.size, self.size - TRAILER.size))
+        magic, first, stop, tasks, subs, index_at, m_off, m_len, _, m_hash, checksum = TRAILER.unpack(trailer)
+        if magic != END_MAGIC:
+            raise self._corrupt("no trailer (a torn write)")
+        if checksum != self.checksum:
+            raise self._corrupt(
+                f"trailer checksum {checksum:016x}, its snapshot recorded {self.checksum:016x}"
+            )
+        self.first, self.stop, self.tasks, self.subs, self.index_at = first, stop, tasks, subs, index_at
+        self._meta_entry = (m_off, m_len, m_hash)
+        expected = index_at + (8 + ENTRY.size) * tasks + 16 * subs + ENTRY.size * (stop - first)
+        if expected + TRAILER.size != self.size:
+            raise self._corrupt("its trailer's counts do not match its size")
+        self.counts: dict[str, int] = {}
+
+    def load(self) -> tuple[array.array[int], array.array[int]]:
+        """The index, checked once against the trailer's checksum: hashes stay in memory."""
+        if self._task_hashes is not None and self._sub_hashes is not None:
+            return self._task_hashes, self._sub_hashes
+        header = bytes(self._pread(HEADER.size, 0))
+        index = self._pread(self.size - TRAILER.size - self.index_at, self.index_at)
+        body = bytes(self._pread(TRAILER.size - _U64.size, self.size - TRAILER.size))
+        if _row_hash(header + bytes(index) + body) != self.checksum:
+            raise self._corrupt("its index does not match its checksum")
+        magic, version, _, _, first = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION or first != self.first:
+            raise self._corrupt(f"header magic {magic!r} version {version} is not a straw history file")
+        tasks = array.array("Q")
+        tasks.frombytes(bytes(index[: 8 * self.tasks]))
+        at = (8 + ENTRY.size) * self.tasks
+        subs = array.array("Q")
+        subs.frombytes(bytes(index[at : at + 8 * self.subs]))
+        self._task_hashes, self._sub_hashes = tasks, subs
+        return tasks, subs
+
+    def _row(self, entry: bytes | bytearray) -> Any:
+        offset, length, k, checksum = ENTRY.unpack(entry)
+        if not HEADER.size <= offset <= offset + length <= self.index_at:
+            raise self._corrupt(f"an index entry points outside its rows ({offset}+{length})")
+        cached = self._block
+        if cached is not None and cached[0] == offset:
+            rows = cached[1]  # paging (read_commits) reads a block's rows one after another
+        else:
+            data = self._pread(length, offset)
+            if _row_hash(data) != checksum:
+                raise self._corrupt(f"the block at offset {offset} does not match its checksum")
+            try:
+                rows = decode(zlib.decompress(bytes(data)))
+            except (CorruptData, zlib.error) as error:
+                raise self._corrupt(
+                    f"the block at offset {offset} is not compressed JSON ({error})"
+                ) from None
+            if not isinstance(rows, list):
+                raise self._corrupt(f"the block at offset {offset} is not a list of rows")
+            self._block = (offset, rows)
+        if k >= len(rows):
+            raise self._corrupt(f"an index entry names row {k} of a block of {len(rows)}")
+        return rows[k]
+
+    def task(self, task_id: str, wanted: int | None = None) -> Any | None:
+        """The row of task ``task_id`` (its first element is the id), or None. ``wanted``: the
+        id's :func:`key_hash`, when the caller has it."""
+        hashes, _ = self.load()
+        wanted = key_hash(task_id) if wanted is None else wanted
+        at = bisect.bisect_left(hashes, wanted)
+        base = self.index_at + 8 * self.tasks
+        while at < len(hashes) and hashes[at] == wanted:
+            row = self._row(self._pread(ENTRY.size, base + ENTRY.size * at))
+            if row[0] == task_id:
+                return row
+            at += 1
+        return None
+
+    def might_hold(self, wanted: int, tasks: bool) -> bool:
+        """False if no task id (``tasks``) or submission id with hash ``wanted`` is here."""
+        task_hashes, sub_hashes = self.load()
+        hashes = task_hashes if tasks else sub_hashes
+        at = bisect.bisect_left(hashes, wanted)
+        return at < len(hashes) and hashes[at] == wanted
+
+    def position(self, submission_id: str, wanted: int | None = None) -> int | None:
+        """The accepted position of ``submission_id`` if this file holds its receipt."""
+        _, hashes = self.load()
+        wanted = key_hash(submission_id) if wanted is None else wanted
+        at = bisect.bisect_left(hashes, wanted)
+        base = self.index_at + (8 + ENTRY.size) * self.tasks + 8 * self.subs
+        while at < len(hashes) and hashes[at] == wanted:
+            (position,) = _U64.unpack(self._pread(8, base + 8 * at))
+            if self.receipt(position)[0]["submission_id"] == submission_id:
+                return int(position)
+            at += 1
+        return None
+
+    def receipt(self, position: int) -> Any:
+        """The row of accepted ``position``: [receipt, worker, packs]."""
+        invariant(self.first <= position < self.stop, "the position is in this file")
+        base = self.index_at + (8 + ENTRY.size) * self.tasks + 16 * self.subs
+        row = self._row(self._pread(ENTRY.size, base + ENTRY.size * (position - self.first)))
+        if not isinstance(row, list) or len(row) != 3 or row[0].get("position") != position:
+            raise self._corrupt(f"the receipt row of position {position} names another position")
+        return row
+
+    def meta(self) -> Any:
+        offset, length, checksum = self._meta_entry
+        return self._row(ENTRY.pack(offset, length, 0, checksum))
+
+    def task_rows(self) -> Iterator[Any]:
+        """Every task row, in hash order (views over the whole history)."""
+        base = self.index_at + 8 * self.tasks
+        entries = self._pread(ENTRY.size * self.tasks, base)
+        for k in range(self.tasks):
+            yield self._row(entries[ENTRY.size * k : ENTRY.size * (k + 1)])
+
+    def verify(self) -> None:
+        """Every byte checked (``straw check``): the index, then every row by its checksum."""
+        self.load()
+        for _ in self.task_rows():
+            pass
+        for position in range(self.first, self.stop):
+            self.receipt(position)
+        self.meta()
+
+
+def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[HistoryFile]:
+    """The files a snapshot names (trailers read and checked; indexes loaded when used)."""
+    files = []
+    for name, size, checksum, first, stop, counts in described:
+        found = HistoryFile(str(name), opener(str(name)), int(size), int(checksum))
+        if (found.first, found.stop) != (first, stop):
+            raise found._corrupt(
+                f"it holds positions {found.first}..{found.stop}, its snapshot says {first}..{stop}"
+            )
+        found.counts = dict(counts)
+        files.append(found)
+    return files
+
+
+class History:
+    """The history files of one queue, oldest first: together they hold the accepted positions
+    ``0 .. base - 1`` (each file a contiguous range) and every task moved out of the state."""
+
+    def __init__(self, files: Sequence[HistoryFile] = ()) -> None:
+        self.files: list[HistoryFile] = list(files)
+        self._firsts = [f.first for f in self.files]
+
+    def __bool__(self) -> bool:
+        return bool(self.files)
+
+    def add(self, file: HistoryFile) -> None:
+        invariant(file.first == self.base, "history files hold contiguous accepted positions")
+        self.files.append(file)
+        self._firsts.append(file.first)
+
+    @property
+    def base(self) -> int:
+        return self.files[-1].stop if self.files else 0
+
+    def task(self, task_id: str) -> Any | None:
+        """A task's row, or None (usually from the in-memory hashes alone, no read)."""
+        wanted = key_hash(task_id)
+        for file in reversed(self.files):
+            if file.might_hold(wanted, True):
+                row = file.task(task_id, wanted)
+                if row is not None:
+                    return row
+        return None
+
+    def position(self, submission_id: str) -> int | None:
+        wanted = key_hash(submission_id)
+        for file in reversed(self.files):
+            if file.might_hold(wanted, False):
+                found = file.position(submission_id, wanted)
+                if found is not None:
+                    return found
+        return None
+
+    def task_rows(self) -> Iterator[Any]:
+        for file in self.files:
+            yield from file.task_rows()
+
+    def receipt(self, position: int) -> Any:
+        """[receipt, worker, packs] of an accepted position below ``base``."""
+        at = bisect.bisect_right(self._firsts, position) - 1
+        while at > 0 and not position < self.files[at].stop:
+            at -= 1  # a file without receipts shares its first position with the next one
+        invariant(at >= 0 and self.files[at].first <= position < self.files[at].stop, "position on disk")
+        return self.files[at].receipt(position)
+
+    def counts(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for file in self.files:
+            for state, count in file.counts.items():
+                total[state] = total.get(state, 0) + count
+        return total
+
+    def describe(self) -> list[list[Any]]:
+        return [file.describe() for file in self.files]
+
+    def names(self) -> set[str]:
+        return {file.name for file in self.files}
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()

@@ -1,0 +1,264 @@
+"""Terminal history on disk (docs/FORMAT.md 8.4, DURABILITY.md J5 H1-H4; issue 12 items 1, 3).
+
+A snapshot after every call (in the calling thread) moves finished tasks and accepted receipts
+to ``hist/`` files. Every lookup stays exact from disk, before and after a reopen; a missing,
+torn or damaged history file fails closed with an error naming it, and once the file is
+restored nothing was lost; an older snapshot that holds everything still opens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import queue_helpers as qh
+import straw.coordinator as coordinator_module
+from straw import Coordinator, SharedFilesystemStore, TaskSpec
+from straw._journal import history_io
+from straw._queue import history
+from straw._queue.machine import new_state, state_from_dict, state_to_dict
+from straw.cli import main
+from straw.errors import CorruptData, IdempotencyConflict, InvalidReference, StaleAttempt
+from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode
+
+RUN = "run-history"
+OWNER = "history"
+TASKS = 12
+LIMITS = {"max_result_bytes": 4 * 1024**3, "max_result_tokens": 100_000_000, "metadata_bytes": 256 * 1024}
+
+
+@pytest.fixture(autouse=True)
+def _snapshot_every_call(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(coordinator_module, "JOURNAL_SNAPSHOT_BYTES_MIN", 1)
+    monkeypatch.setattr(coordinator_module, "SNAPSHOTS_IN_BACKGROUND", False)
+    yield
+
+
+Worked = list[tuple[CommitReceipt, Lease, RecordSetRef]]
+
+
+def _work(coord: Coordinator, count: int, worker: str = "w") -> Worked:
+    done: Worked = []
+    for _ in range(count):
+        lease = coord.acquire(worker).assignments[0].lease
+        ref = qh.result_for(coord.store, lease, submission_id=f"sub-{lease.task_id}")
+        receipt = coord.complete_task(
+            lease, submission_id=f"sub-{lease.task_id}", result_ref=ref, result_digest=ref.digest
+        )
+        done.append((receipt, lease, ref))
+    return done
+
+
+def _build(root: str) -> Worked:
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
+        done = _work(coord, TASKS - 2, "w1")
+        coord.cancel_task("t11", request_id="cancel-11")
+        assert coord._state.history.files and len(coord._state.tasks) < TASKS  # spilled
+    return done
+
+
+def _hist_files(root: str) -> list[Path]:
+    return sorted((Path(root) / "queue" / "hist").glob("*.hist"))
+
+
+def _assert_exact(coord: Coordinator, done: Worked) -> None:
+    for receipt, lease, ref in done:
+        assert coord.lookup_submission(receipt.submission_id) == receipt
+        assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]
+        again = coord.complete_task(
+            lease, submission_id=receipt.submission_id, result_ref=ref, result_digest=ref.digest
+        )
+        assert again == receipt  # a retry after a lost reply: the same receipt, from disk
+    page = coord.read_commits(0, 100)
+    assert list(page.commits) == [r for r, _, _ in done]
+    assert coord.task_status("t11")["state"] == "cancelled"  # type: ignore[index]
+    assert {k: v["state"] for k, v in coord.tasks.items()} == {
+        **{f"t{i:02d}": "completed" for i in range(TASKS - 2)},
+        "t10": "pending",
+        "t11": "cancelled",
+    }
+    assert [r["position"] for r in coord.retire_worker("w1")] == list(range(TASKS - 2))
+
+
+def test_every_lookup_is_exact_from_disk_live_and_after_reopen(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        assert coord._state.commits.base > 0 and coord._state.history.files
+        _assert_exact(coord, done)
+        lease = done[0][1]
+        with pytest.raises(IdempotencyConflict, match="already submitted by request 'tasks'"):
+            coord.submit_tasks("again", [TaskSpec("t00")])
+        assert coord.heartbeat([lease]) == ["StaleAttempt"]
+        with pytest.raises(StaleAttempt, match="task is completed"):
+            coord.fail_task(lease, request_id="f", failure="x")
+        assert coord.cancel_task("t00", request_id="cancel-0") == "completed"
+        assert coord.metrics()["tasks"] == {"completed": TASKS - 2, "pending": 1, "cancelled": 1}
+
+
+def test_recovery_reads_only_live_state_and_opens_history_files_lazily(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        state = coord._state
+        # Live work in memory (the pending task; the cancel came after the last background
+        # snapshot, close() snapshots what it has), none of the completed ones.
+        assert set(state.tasks) == {"t10", "t11"}
+        assert state.commits.base == TASKS - 2 and not state.submissions
+        assert all(f._task_hashes is None for f in state.history.files)  # trailers only so far
+        assert coord.task_status("t03")["state"] == "completed"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn", "trailer"])
+def test_a_missing_or_torn_history_file_fails_closed_naming_it_and_nothing_is_lost(
+    tmp_path: Path, damage: str
+) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    victim = _hist_files(root)[0]
+    kept = tmp_path / "kept.hist"
+    shutil.copyfile(victim, kept)
+    if damage == "missing":
+        victim.unlink()
+    elif damage == "torn":
+        os.truncate(victim, victim.stat().st_size - 7)
+    else:
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0xFF  # the trailer's checksum
+        victim.write_bytes(bytes(data))
+    with SharedFilesystemStore(root, RUN) as store, pytest.raises(CorruptData, match=victim.name):
+        Coordinator(store, exclusive_owner=OWNER, recover=True)
+    shutil.copyfile(kept, victim)  # restored from a copy: every answer is back
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        _assert_exact(coord, done)
+
+
+def test_a_damaged_row_fails_its_lookup_and_straw_check_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    victim = _hist_files(root)[0]
+    original = victim.read_bytes()
+    data = bytearray(original)
+    data[history.HEADER.size + 2] ^= 0x01  # inside the first row (the index still checks)
+    victim.write_bytes(bytes(data))
+    assert main(["check", root]) == 1
+    out = capsys.readouterr().out
+    assert "queue.history" in out and victim.name in out and "does not match its checksum" in out
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+        pytest.raises(CorruptData, match=victim.name),
+    ):
+        _assert_exact(coord, done)  # the answer that needs the row refuses, never guesses
+    victim.write_bytes(original)
+    assert main(["check", root]) == 0
+
+
+def test_a_damaged_index_fails_the_first_lookup_naming_the_file(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    victim = max(_hist_files(root), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-history.TRAILER.size - 1] ^= 0x10  # the last byte of the index
+    victim.write_bytes(bytes(data))
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+        pytest.raises(CorruptData, match=f"{victim.name}.*index"),
+    ):
+        _assert_exact(coord, done)
+
+
+def test_a_snapshot_that_holds_everything_still_opens() -> None:
+    """Queues written before history files (snapshot version 2) open unchanged."""
+    state = new_state("r", "q", LIMITS)
+    body = state_to_dict(state)
+    old = {k: v for k, v in body.items() if k != "history"}
+    old["v"] = 2
+    assert state_to_dict(state_from_dict(old, LIMITS))["tasks"] == []
+    body["history"] = [["00000000000000000001.hist", 112, 0, 0, 0, {}]]
+    with pytest.raises(Exception, match="directory"):
+        state_from_dict(body, LIMITS)
+
+
+def test_golden_bytes_of_a_tiny_history_file() -> None:
+    """docs/FORMAT.md 8.4 shows these bytes: one task row, no receipt (zlib level 1 output, as
+    CPython's bundled zlib writes it)."""
+    chunks, checksum = history.build(7, 0, [("t", ["t"])], [], {"counts": {"failed": 1}})
+    data = b"".join(chunks)
+    assert data.hex() == GOLDEN
+    assert checksum == int.from_bytes(data[-8:], "little")
+    first_block = zlib.decompress(data[history.HEADER.size : history.HEADER.size + 15])
+    assert decode(first_block) == [["t"]]  # one block of one task row
+
+
+GOLDEN = (
+    "5354525748495354010000000000000007000000000000000000000000000000"
+    "78018b8e562a518a8d0500089d022978018bae564ace2fcd2b2956b2aa564a4b"
+    "cccc494d51b232acad8d0500747f08d72df9acf0853e03762000000000000000"
+    "0f000000000000001819b4af93d740175354525748454e440000000000000000"
+    "0000000000000000010000000000000000000000000000005000000000000000"
+    "2f000000000000002100000000000000cd2c51c8c2d6e1f8f7955046ba3f7d18"
+)
+
+
+def test_the_shell_and_the_format_name_the_same_directory() -> None:
+    assert history_io.HIST_DIR == history.HIST_DIR
+
+
+def test_a_rewind_takes_back_history_that_lives_on_disk(tmp_path: Path) -> None:
+    """The training consumer acknowledges everything, GC releases it, snapshots move it to disk;
+    a rewind to a checkpoint that kept the results makes that history readable again, from
+    the history files, before and after a reopen."""
+    root = str(tmp_path)
+    with SharedFilesystemStore(root, RUN, online_gc=True) as store:
+        coord = Coordinator(store, exclusive_owner=OWNER)
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(4)])
+        done = _work(coord, 4)
+        kept = store.publish(
+            [Record("ckpt", b"c")], submission_id="ckpt", dependencies=[r.result_ref for r, _, _ in done]
+        )
+        store.retain("checkpoint", [kept])
+        token = coord.open_consumer("training", exclusive_owner="trainer")
+        state = store.publish([Record("state", b"s")], submission_id="state")
+
+        def save(name: str, cursor: int) -> None:
+            coord.save_consumer_state(
+                "training",
+                token=token,
+                request_id=name,
+                state_ref=state,
+                fetch_cursor=cursor,
+                processed_cursor=cursor,
+            )
+
+        save("advance", 4)
+        coord.collect_garbage()
+        coord.seal_input("seal")  # a few more calls: snapshots move the history to disk
+        assert coord._state.commits.base == 4
+        with pytest.raises(InvalidReference, match="released"):
+            coord.read_commits(0, 4)
+        save("restore", 0)
+        assert list(coord.read_commits(0, 4).commits) == [r for r, _, _ in done]
+        coord.close()
+        with Coordinator(store, exclusive_owner=OWNER, recover=True) as again:
+            assert list(again.read_commits(0, 4).commits) == [r for r, _, _ in done]
+            assert again.collect_garbage()["queue_packs"] >= 1  # the results are roots again
+            assert all(len(list(store.read(r.result_ref))) == 1 for r, _, _ in done)
