@@ -1117,8 +1117,12 @@ class SharedFilesystemStore:
 
         With ``adoption``, every record set met (dependencies included) is noted as taken
         over by the caller, which will end its staging once it owns it durably.
+
+        It returns no bytes, so, like completion validation, it may use the index frames a
+        store of this process made durable (docs/DURABILITY.md D5): ``retain`` and the
+        queue's ownership of inputs and results mostly name what this process just wrote.
         """
-        session = self._session()
+        session = self._session(shared=True)
         packs: set[str] = set()
         seen: set[tuple[str, int, int]] = set()
         todo: list[RecordSetRef | RecordRef] = list(refs)
