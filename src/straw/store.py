@@ -155,6 +155,18 @@ class _WrittenSets:
 WRITTEN_SETS = _WrittenSets()
 
 
+#: Forks this process descends from (bumped in each child): a session compares it with the
+#: count when it opened, which every call checks without a ``getpid`` system call.
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class ReadSession:
     """Verified reads sharing one cache of open packs and parsed index frames.
 
@@ -164,6 +176,7 @@ class ReadSession:
     def __init__(self, backend: FilesystemBackend, run_id: str, *, shared: bool = False) -> None:
         self._reader = PackReader(backend, run_id, shared=shared)
         self._pid = os.getpid()
+        self._forks = _FORKS[0]
         self._closed = False
         # Record sets this session verified, by their exact reference (see ``resolve``).
         self._resolved: OrderedDict[RecordSetRef, _Resolved] = OrderedDict()
@@ -171,12 +184,12 @@ class ReadSession:
     @property
     def forked(self) -> bool:
         """Whether this process is a fork of the one that opened the session."""
-        return os.getpid() != self._pid
+        return _FORKS[0] != self._forks
 
     def _usable(self) -> None:
         """A session serves the process that opened it, until closed (checked before any I/O,
         so a forked child's refused call changes nothing of its parent's session)."""
-        if os.getpid() != self._pid:
+        if _FORKS[0] != self._forks:
             raise RuntimeError(
                 f"this read session was opened in process {self._pid}; it cannot be reused after fork: "
                 "open a new one (store.read_session()) in this process"
@@ -185,7 +198,7 @@ class ReadSession:
             raise RuntimeError("this read session is closed; open a new one with store.read_session()")
 
     def close(self) -> None:
-        if os.getpid() != self._pid:
+        if _FORKS[0] != self._forks:
             self._usable()  # a child closing its parent's descriptors would hurt the parent
         self._closed = True
         self._resolved.clear()

@@ -10,6 +10,7 @@ reference differing in any field, and that it is bounded.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,23 @@ def test_validation_needs_the_pack_to_exist(store: SharedFilesystemStore) -> Non
     (Path(store.backend.root) / ref.manifest.segment.path).unlink()
     with pytest.raises(StorageUnavailable, match="no longer exists"):
         store.validate_reach(ref, task_id="t", attempt_id="a")
+
+
+def test_a_session_used_in_a_forked_child_refuses_and_the_parent_keeps_it(
+    store: SharedFilesystemStore,
+) -> None:
+    ref = store.publish([Record("a", b"payload")], submission_id="s")
+    with _session(store) as session:
+        session.resolve(ref)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through its exit status
+            code = 3
+            try:
+                session.resolve(ref)
+            except RuntimeError as error:
+                code = 0 if "cannot be reused after fork" in str(error) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert [r.payload for r in session.read(ref)] == [b"payload"]
