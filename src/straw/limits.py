@@ -98,6 +98,10 @@ OPEN_PACKS_MAX = 64
 #: an entry holds the set's located index entries, which the index cache shares).
 RECORD_SETS_CACHED_MAX = 4096
 
+#: Record sets the stores of one process published and remember resolved, for every session
+#: of that process (FORMAT.md section 5, "Record sets this process wrote"); oldest first out.
+WRITTEN_SETS_CACHED_MAX = 4096
+
 #: Delays (seconds) between attempts to open a file that is not yet visible
 #: (a shared mount's metadata can lag by a moment). The sum, ~4 s, bounds how
 #: long a read waits before raising StorageUnavailable.

@@ -29,7 +29,7 @@ from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
-from ._pack.reader import PACK_NAME, WRITER_NAME, PackReader
+from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader
 from ._pack.writer import CommitUncertain, Entry, PackWriter
 from .backend import FilesystemBackend
 from .errors import (
@@ -59,6 +59,7 @@ from .limits import (
     SUBMISSION_ID_BYTES_MAX,
     SUBMISSIONS_REMEMBERED_MAX,
     TOKENS_MAX,
+    WRITTEN_SETS_CACHED_MAX,
 )
 from .protocol import (
     Publication,
@@ -118,6 +119,54 @@ class _Resolved:
     dependencies: tuple[RecordSetRef, ...]
 
 
+class _WrittenSets:
+    """Record sets the stores of this process published, resolved, by their exact reference.
+
+    docs/FORMAT.md section 5, "Record sets this process wrote": a writer that has just made
+    an extent durable knows what verifying one of its sets would find (its manifest, the
+    index entries of its records, its dependencies), since the index frame the reference's
+    checksum names holds exactly that. Every session of the process starts from it, as from
+    its own memo of verified sets: the manifest's extent is still located on each hit (the
+    segment checks, and the index frame read and verified when not cached), so only the
+    manifest's parse and the digest's recomputation are skipped. Bounded by
+    ``WRITTEN_SETS_CACHED_MAX``, oldest first out.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[RecordSetRef, _Resolved] = OrderedDict()
+
+    def get(self, ref: RecordSetRef) -> _Resolved | None:
+        with self._lock:
+            return self._items.get(ref)
+
+    def put(self, items: Sequence[tuple[RecordSetRef, _Resolved]]) -> None:
+        with self._lock:
+            for ref, resolved in items:
+                self._items[ref] = resolved
+            while len(self._items) > WRITTEN_SETS_CACHED_MAX:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+WRITTEN_SETS = _WrittenSets()
+
+
+#: Forks this process descends from (bumped in each child): a session compares it with the
+#: count when it opened, which every call checks without a ``getpid`` system call.
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class ReadSession:
     """Verified reads sharing one cache of open packs and parsed index frames.
 
@@ -127,6 +176,7 @@ class ReadSession:
     def __init__(self, backend: FilesystemBackend, run_id: str, *, shared: bool = False) -> None:
         self._reader = PackReader(backend, run_id, shared=shared)
         self._pid = os.getpid()
+        self._forks = _FORKS[0]
         self._closed = False
         # Record sets this session verified, by their exact reference (see ``resolve``).
         self._resolved: OrderedDict[RecordSetRef, _Resolved] = OrderedDict()
@@ -134,12 +184,12 @@ class ReadSession:
     @property
     def forked(self) -> bool:
         """Whether this process is a fork of the one that opened the session."""
-        return os.getpid() != self._pid
+        return _FORKS[0] != self._forks
 
     def _usable(self) -> None:
         """A session serves the process that opened it, until closed (checked before any I/O,
         so a forked child's refused call changes nothing of its parent's session)."""
-        if os.getpid() != self._pid:
+        if _FORKS[0] != self._forks:
             raise RuntimeError(
                 f"this read session was opened in process {self._pid}; it cannot be reused after fork: "
                 "open a new one (store.read_session()) in this process"
@@ -148,7 +198,7 @@ class ReadSession:
             raise RuntimeError("this read session is closed; open a new one with store.read_session()")
 
     def close(self) -> None:
-        if os.getpid() != self._pid:
+        if _FORKS[0] != self._forks:
             self._usable()  # a child closing its parent's descriptors would hurt the parent
         self._closed = True
         self._resolved.clear()
@@ -207,6 +257,10 @@ class ReadSession:
         if known is not None:
             self.locate(ref.manifest)
             self._resolved.move_to_end(ref)
+            return known
+        known = WRITTEN_SETS.get(ref)
+        if known is not None:
+            self.locate(ref.manifest)  # as for a set of the memo: the extent is located again
             return known
         resolved = self._verify(ref)
         self._resolved[ref] = resolved
@@ -454,6 +508,28 @@ class ReadSession:
 _VERIFY_BYTES = 64 * 1024 * 1024
 
 
+def _share_written(refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manifest]) -> None:
+    """Remember what verifying these just published sets would find (``_WrittenSets``).
+
+    Built from the index the writer shares once the extent is durable (``remember_written``,
+    which shares only entries whose metadata nothing the caller holds can change); without it
+    (such metadata, or already evicted) the sets are verified when first resolved.
+    """
+    if not refs:
+        return
+    segment = refs[0].manifest.segment
+    index = SHARED_INDEXES.get(segment)
+    if index is None:
+        return
+    items = []
+    entries, chunk = index.entries, index.chunk_bytes
+    for ref, manifest in zip(refs, manifests, strict=True):
+        records = tuple([_Located(segment, o, entries[o], chunk) for _, o in manifest.records])
+        deps = tuple(ReadSession._dependency(d, segment) for d in manifest.dependencies)
+        items.append((ref, _Resolved(manifest, records, deps)))
+    WRITTEN_SETS.put(items)
+
+
 def _usage(dependency: Mapping[str, Any], field: str) -> int:
     """A manifest dependency's usage count (a local one carries it, an external one in its ref)."""
     value = dependency[field] if "self" in dependency else dependency["ref"][field]
@@ -559,6 +635,7 @@ class SharedFilesystemStore:
                 f"root {os.fspath(root)!r} differs from the backend's root {str(backend.root)!r}"
             )
         self.backend = backend
+        self._root_text = str(backend.root)
         self.codecs = self._check_codecs(codecs)
         for name, value in (("max_record_bytes", max_record_bytes), ("max_buffer_bytes", max_buffer_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -791,6 +868,7 @@ class SharedFilesystemStore:
         check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
         entries: list[Entry] = []
         sets: list[tuple[int, str, int, int, int]] = []  # manifest ordinal, digest, records, bytes, tokens
+        manifests: list[frame.Manifest] = []
         for number, publication in enumerate(publications):
             if not isinstance(publication, Publication):
                 raise TypeError(f"publish_many takes Publication objects, got {type(publication).__name__}")
@@ -801,6 +879,7 @@ class SharedFilesystemStore:
             pairs = tuple((-1, first + i) for i in range(len(records)))
             entries.extend(records)
             manifest = frame.Manifest(set_digest, pairs, (), tuple(deps))
+            manifests.append(manifest)
             entries.append(self._manifest_entry(manifest, f"manifest-{number}"))
             # Usage counts what the set reaches: its records plus each dependency, once per edge.
             payload = sum(e.payload.nbytes for e in records) + sum(_usage(d, "payload_bytes") for d in deps)
@@ -817,7 +896,9 @@ class SharedFilesystemStore:
         def result(segment: SegmentRef) -> list[RecordSetRef]:
             return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]
 
-        return self._commit(kind, submission_id, fingerprint, entries, result, [x[0] for x in sets])
+        refs = self._commit(kind, submission_id, fingerprint, entries, result, [x[0] for x in sets])
+        _share_written(refs, manifests)
+        return refs
 
     def _publication_dependencies(
         self,
@@ -1030,9 +1111,13 @@ class SharedFilesystemStore:
             self._note_adoption(session, ref, resolved, adoption)
         packs = {ref.manifest.segment.path}
         packs.update(r.segment.path for r in resolved.records)
+        root = self._root_text
         for path in packs:
             # A shared index answers without opening the file: the data must still be there.
-            if not posix.exists(self.backend.resolve(path)):
+            # The path passed the reference checks (raw/<writer>/<segment>.pack), and this only
+            # asks whether a file is there (nothing is read), so the symlink walk of
+            # ``backend.resolve`` is not needed.
+            if not posix.exists(os.path.join(root, path)):
                 raise StorageUnavailable(f"{path} holding this result no longer exists; its data is gone")
         if resolved.dependencies:
             packs |= self.reach(resolved.dependencies, adoption=adoption)
@@ -1045,8 +1130,12 @@ class SharedFilesystemStore:
 
         With ``adoption``, every record set met (dependencies included) is noted as taken
         over by the caller, which will end its staging once it owns it durably.
+
+        It returns no bytes, so, like completion validation, it may use the index frames a
+        store of this process made durable (docs/DURABILITY.md D5): ``retain`` and the
+        queue's ownership of inputs and results mostly name what this process just wrote.
         """
-        session = self._session()
+        session = self._session(shared=True)
         packs: set[str] = set()
         seen: set[tuple[str, int, int]] = set()
         todo: list[RecordSetRef | RecordRef] = list(refs)

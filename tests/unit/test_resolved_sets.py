@@ -46,7 +46,11 @@ def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
 
 
 def _publish(store: SharedFilesystemStore, name: str, payload: bytes = b"payload") -> RecordSetRef:
-    return store.publish([Record(name, payload)], submission_id=f"s-{name}")
+    """Publish, then forget the process's memo of the sets it wrote (``test_written_sets.py``
+    covers that one): each session here verifies what it resolves for itself."""
+    ref = store.publish([Record(name, payload)], submission_id=f"s-{name}")
+    store_module.WRITTEN_SETS.clear()
+    return ref
 
 
 def _session(store: SharedFilesystemStore, run: str = RUN) -> ReadSession:

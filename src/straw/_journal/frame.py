@@ -52,12 +52,18 @@ def next_chain(previous: bytes, body_digest: bytes) -> bytes:
     return xxhash.xxh3_128_digest(previous + body_digest)
 
 
+#: Zeros that :func:`all_zero` compares against, one piece of the data at a time.
+_ZEROS = bytes(64 * 1024)
+
+
 def all_zero(data: bytes | bytearray | memoryview) -> bool:
     """Whether every byte is zero (an empty buffer is). A log's zero tail is checked on every
-    catalog catch-up and every recovery (J7); a memcmp against fresh zeros is some 50x faster than
-    ``bytes.strip(b"\\0")``, which tests each byte against the strip set."""
-    flat = data if type(data) is bytes else bytes(data)
-    return flat == bytes(len(flat))
+    catalog catch-up and every recovery (J7), so this is one memcmp per 64 KiB against a constant
+    (``bytes.startswith`` takes any buffer): no copy of the data, no fresh zeros, and some 50x
+    faster than ``bytes.strip(b"\\0")``, which tests each byte against the strip set."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    step = len(_ZEROS)
+    return all(_ZEROS.startswith(view[start : start + step]) for start in range(0, len(view), step))
 
 
 # --------------------------------------------------------------------------- segment header

@@ -1,0 +1,196 @@
+"""Record sets this process wrote (docs/FORMAT.md section 5; ``straw.store.WRITTEN_SETS``).
+
+A store that has just made an extent durable remembers, for every session of the process,
+what verifying each of its sets would find. These tests pin that the remembered form is
+exactly the verified one, that it only spares the manifest's parse and digest (the
+extent is located again, payloads verified on every read), that it never vouches for a
+reference differing in any field, and that it is bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import straw.store as store_module
+from straw import Publication, Record, SharedFilesystemStore
+from straw._pack import reader
+from straw.backend import FilesystemBackend
+from straw.errors import CorruptData, InvalidReference, StorageUnavailable
+from straw.store import WRITTEN_SETS, ReadSession
+
+RUN = "run"
+
+
+@pytest.fixture(autouse=True)
+def _empty_caches() -> Iterator[None]:
+    WRITTEN_SETS.clear()
+    reader.SHARED_INDEXES.clear()
+    yield
+    WRITTEN_SETS.clear()
+    reader.SHARED_INDEXES.clear()
+
+
+@pytest.fixture
+def digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts manifest digest recomputations (one per verification of a set)."""
+    calls = [0]
+    original = store_module.logical_digest
+
+    def counted(*args: Any) -> str:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(store_module, "logical_digest", counted)
+    return calls
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
+    with SharedFilesystemStore(tmp_path / "pool", RUN) as opened:
+        yield opened
+
+
+def _session(store: SharedFilesystemStore) -> ReadSession:
+    return ReadSession(FilesystemBackend(store.backend.root), RUN)
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_fresh_session_resolves_a_set_this_process_wrote_without_its_digest(
+    store: SharedFilesystemStore, digests: list[int]
+) -> None:
+    ref = store.publish([Record("a", b"x" * 4096, metadata={"k": 1})], submission_id="s")
+    digests[0] = 0  # publishing computed it
+    with _session(store) as session:
+        assert [r.payload for r in session.read(ref)] == [b"x" * 4096]
+        assert digests[0] == 0
+        # Payload bytes are still verified on every read.
+        located = session.resolve(ref).records[0]
+        _flip(Path(store.backend.root) / ref.manifest.segment.path, located.entry.offset + 7)
+        with pytest.raises(CorruptData):
+            list(session.read(ref))
+
+
+def test_the_remembered_form_is_the_verified_one(store: SharedFilesystemStore) -> None:
+    base = store.publish([Record("base", b"b", tokens=3)], submission_id="base")
+    refs = store.publish_many(
+        [
+            Publication((Record("a", b"aa", metadata={"task_id": "t", "n": 2}, tokens=5),)),
+            Publication((Record("b", b"bbb"), Record("c", b"")), (0, base)),
+            Publication((), (1,)),
+        ],
+        submission_id="many",
+    )
+    with _session(store) as session:
+        for ref in (base, *refs):
+            remembered = WRITTEN_SETS.get(ref)
+            assert remembered is not None
+            assert session._verify(ref) == remembered
+
+
+def test_a_damaged_index_frame_is_still_found_by_a_reading_session(store: SharedFilesystemStore) -> None:
+    ref = store.publish([Record("a", b"payload")], submission_id="s")
+    assert WRITTEN_SETS.get(ref) is not None
+    segment = ref.manifest.segment
+    _flip(Path(store.backend.root) / segment.path, segment.offset + segment.size - 3)
+    with _session(store) as session, pytest.raises(CorruptData):
+        session.resolve(ref)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"digest": "0" * 64}, {"records": 2}, {"payload_bytes": 1}, {"tokens": 5}],
+)
+def test_a_reference_differing_in_any_field_is_verified_and_refused(
+    store: SharedFilesystemStore, change: dict[str, Any]
+) -> None:
+    ref = store.publish([Record("a", b"payload")], submission_id="s")
+    forged = dataclasses.replace(ref, **change)
+    with _session(store) as session:
+        for _ in range(2):
+            with pytest.raises(InvalidReference):
+                session.resolve(forged)
+        assert session.resolve(ref).records
+
+
+def test_an_equal_reference_with_a_bool_ordinal_is_refused(store: SharedFilesystemStore) -> None:
+    ref = store.publish([Record("a", b"payload")], submission_id="s")
+    sneaky = dataclasses.replace(ref, manifest=dataclasses.replace(ref.manifest, ordinal=True))
+    assert sneaky == ref and WRITTEN_SETS.get(sneaky) is not None  # the key matches
+    with _session(store) as session, pytest.raises(InvalidReference, match="ordinal"):
+        session.resolve(sneaky)
+
+
+def test_a_set_whose_metadata_the_caller_can_still_change_is_not_remembered(
+    store: SharedFilesystemStore, digests: list[int]
+) -> None:
+    metadata: dict[str, Any] = {"task_id": "t", "nested": [1, 2]}
+    ref = store.publish([Record("a", b"payload", metadata=metadata)], submission_id="s")
+    metadata["nested"].append(3)
+    assert WRITTEN_SETS.get(ref) is None
+    digests[0] = 0
+    with _session(store) as session:
+        assert session.resolve(ref).records[0].entry.metadata == {"task_id": "t", "nested": [1, 2]}
+    assert digests[0] == 1
+
+
+def test_the_memo_is_bounded(
+    store: SharedFilesystemStore, digests: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "WRITTEN_SETS_CACHED_MAX", 2)
+    refs = [store.publish([Record(name, b"p")], submission_id=name) for name in "abc"]
+    assert WRITTEN_SETS.get(refs[0]) is None
+    digests[0] = 0
+    with _session(store) as session:
+        session.resolve(refs[1])
+        session.resolve(refs[2])
+        assert digests[0] == 0
+        session.resolve(refs[0])  # the oldest was forgotten: verified
+        assert digests[0] == 1
+
+
+def test_a_set_of_another_pool_is_not_vouched_for(tmp_path: Path, store: SharedFilesystemStore) -> None:
+    with SharedFilesystemStore(tmp_path / "elsewhere", RUN) as foreign_store:
+        foreign = foreign_store.publish([Record("a", b"payload")], submission_id="s")
+    assert WRITTEN_SETS.get(foreign) is not None
+    with _session(store) as session, pytest.raises(InvalidReference, match="different storage"):
+        session.resolve(foreign)
+
+
+def test_validation_needs_the_pack_to_exist(store: SharedFilesystemStore) -> None:
+    ref = store.publish(
+        [Record("a", b"payload", metadata={"task_id": "t", "attempt_id": "a"})], submission_id="s"
+    )
+    (Path(store.backend.root) / ref.manifest.segment.path).unlink()
+    with pytest.raises(StorageUnavailable, match="no longer exists"):
+        store.validate_reach(ref, task_id="t", attempt_id="a")
+
+
+def test_a_session_used_in_a_forked_child_refuses_and_the_parent_keeps_it(
+    store: SharedFilesystemStore,
+) -> None:
+    ref = store.publish([Record("a", b"payload")], submission_id="s")
+    with _session(store) as session:
+        session.resolve(ref)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through its exit status
+            code = 3
+            try:
+                session.resolve(ref)
+            except RuntimeError as error:
+                code = 0 if "cannot be reused after fork" in str(error) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert [r.payload for r in session.read(ref)] == [b"payload"]
