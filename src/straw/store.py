@@ -1111,14 +1111,7 @@ class SharedFilesystemStore:
             self._note_adoption(session, ref, resolved, adoption)
         packs = {ref.manifest.segment.path}
         packs.update(r.segment.path for r in resolved.records)
-        root = self._root_text
-        for path in packs:
-            # A shared index answers without opening the file: the data must still be there.
-            # The path passed the reference checks (raw/<writer>/<segment>.pack), and this only
-            # asks whether a file is there (nothing is read), so the symlink walk of
-            # ``backend.resolve`` is not needed.
-            if not posix.exists(os.path.join(root, path)):
-                raise StorageUnavailable(f"{path} holding this result no longer exists; its data is gone")
+        self._check_present(packs, "result")
         if resolved.dependencies:
             packs |= self.reach(resolved.dependencies, adoption=adoption)
         return packs
@@ -1157,7 +1150,19 @@ class SharedFilesystemStore:
             packs.add(ref.manifest.segment.path)
             packs.update(r.segment.path for r in resolved.records)
             todo.extend(resolved.dependencies)
+        self._check_present(packs, "record set")
         return packs
+
+    def _check_present(self, packs: Iterable[str], what: str) -> None:
+        """A shared index (or a session's open descriptor) answers without looking at the file:
+        the data must still be there, or a retain, a task input or a result would be owned
+        while unreadable. The paths passed the reference checks (raw/<writer>/<segment>.pack)
+        and this only asks whether a file is there (nothing is read), so the symlink walk of
+        ``backend.resolve`` is not needed."""
+        root = self._root_text
+        for path in packs:
+            if not posix.exists(os.path.join(root, path)):
+                raise StorageUnavailable(f"{path} holding this {what} no longer exists; its data is gone")
 
     def _note_adoption(
         self, session: ReadSession, ref: RecordSetRef, resolved: _Resolved, adoption: Adoption

@@ -23,7 +23,7 @@ import pytest
 from straw import coordinator as coordinator_module
 from straw.backend import FilesystemBackend
 from straw.coordinator import Coordinator
-from straw.errors import IndeterminateCommit
+from straw.errors import IndeterminateCommit, StorageUnavailable
 from straw.protocol import Lease, Publication, Record, RecordSetRef, TaskSpec, encode
 from straw.store import SharedFilesystemStore
 
@@ -310,3 +310,19 @@ def test_a_duplicate_request_adopts_nothing_new(pool: Pool) -> None:
     assert pool.queue.submit_tasks("r1", [TaskSpec("t", input_ref=data)]) == ["t"]
     pool.queue.close()
     assert len([e for e in _events(pool) if e["op"] == "unstage"]) == before
+
+
+def test_a_task_whose_input_was_deleted_outside_collection_is_refused_and_not_submitted(
+    pool: Pool,
+) -> None:
+    # The queue's store answers from what this process's writer remembers of the input (no
+    # read of the pack), so the pack's existence is what catches the deletion.
+    data = pool.put("input")
+    pool.writer.seal()
+    (pool.root / data.manifest.segment.path).unlink()
+    with pytest.raises(StorageUnavailable, match="no longer exists"):
+        pool.queue.submit_tasks("r1", [TaskSpec("t", input_ref=data)])
+    assert pool.queue.task_status("t") is None
+    fresh = pool.put("again")
+    pool.queue.submit_tasks("r2", [TaskSpec("t", input_ref=fresh)])
+    assert pool.queue.task_status("t") is not None

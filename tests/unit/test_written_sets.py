@@ -176,6 +176,23 @@ def test_validation_needs_the_pack_to_exist(store: SharedFilesystemStore) -> Non
         store.validate_reach(ref, task_id="t", attempt_id="a")
 
 
+def test_a_retain_of_data_deleted_outside_collection_is_refused_and_records_nothing(
+    store: SharedFilesystemStore,
+) -> None:
+    """The remembered form answers without opening the pack, so a pack deleted behind the
+    store's back (not by a collection) is caught by the existence check, at once."""
+    with SharedFilesystemStore(store.backend.root, RUN) as other:  # another writer: another pack
+        kept = other.publish([Record("kept", b"k")], submission_id="kept")
+    ref = store.publish([Record("a", b"payload")], submission_id="s")
+    assert WRITTEN_SETS.get(ref) is not None
+    (Path(store.backend.root) / ref.manifest.segment.path).unlink()
+    with pytest.raises(StorageUnavailable, match="holding this record set no longer exists"):
+        store.retain("keeper", [kept, ref])
+    assert store.owners("keeper") == []
+    store.retain("keeper", [kept])
+    assert store.owners("keeper") == ["keeper"]
+
+
 def test_a_session_used_in_a_forked_child_refuses_and_the_parent_keeps_it(
     store: SharedFilesystemStore,
 ) -> None:
