@@ -1158,10 +1158,12 @@ class SharedFilesystemStore:
         the data must still be there, or a retain, a task input or a result would be owned
         while unreadable. The paths passed the reference checks (raw/<writer>/<segment>.pack)
         and this only asks whether a file is there (nothing is read), so the symlink walk of
-        ``backend.resolve`` is not needed."""
+        ``backend.resolve`` is not needed. A pack a collection removed is named as such
+        (the catalog's tombstones, caught up; never called with the catalog locked)."""
         root = self._root_text
         for path in packs:
             if not posix.exists(os.path.join(root, path)):
+                self._refuse_collected({path}, catch_up=True)
                 raise StorageUnavailable(f"{path} holding this {what} no longer exists; its data is gone")
 
     def _note_adoption(
