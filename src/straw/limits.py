@@ -88,6 +88,12 @@ BUFFER_BYTES_MAX_DEFAULT = 512 * MiB
 #: real end-of-file or error instead of a kernel cap.
 SYSCALL_BYTES_MAX = 1 * GiB
 
+#: Smallest read buffer that gets an anonymous mapping of its own instead of the allocator's
+#: memory (``tensor.read_buffer``). NumPy asks for transparent huge pages from 4 MiB on, and a
+#: huge page on a host with fragmented free memory waits for compaction; below this size a
+#: mapping each would also spend the process's map entries (``vm.max_map_count``) on small tensors.
+READ_MAPPING_BYTES_MIN = 4 * MiB
+
 #: Most buffers in one vectored write (POSIX IOV_MAX is 1024 on Linux).
 IOVEC_COUNT_MAX = 1024
 

@@ -29,7 +29,7 @@ from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
-from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader
+from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, read_buffer
 from ._pack.writer import CommitUncertain, Entry, PackWriter
 from .backend import FilesystemBackend
 from .errors import (
@@ -496,7 +496,7 @@ class ReadSession:
         first = start // chunk
         low = first * chunk
         high = min(entry.length, ((stop - 1) // chunk + 1) * chunk)
-        buffer = memoryview(bytearray(high - low))
+        buffer = read_buffer(high - low)
         self._reader.payload_into(located.segment, entry, chunk, buffer, first)
         if tracing.enabled():
             tracing.emit("read_range", root=self._reader.backend.root, size=stop - start,

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._fs import posix
+from ._pack.reader import read_buffer
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from .limits import CHUNK_BYTES, KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
@@ -468,10 +469,11 @@ class TensorRef:
         with naming(self.what):
             session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
-            out = np.empty(self.shape, dtype=_STORAGE[self.dtype])
+            # Memory of ordinary pages that the read touches first (read_buffer says why not np.empty).
+            buffer = read_buffer(self.nbytes)
             if self.nbytes:
-                session.read_into(self.record_ref, out.reshape(-1).view(np.uint8).data)
-        return out
+                session.read_into(self.record_ref, buffer)
+        return np.frombuffer(buffer, dtype=_STORAGE[self.dtype]).reshape(self.shape)
 
     def rows(
         self, start: int, stop: int, *, reader: ReadSession | SharedFilesystemStore | None = None

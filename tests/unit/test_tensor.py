@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import mmap
 import os
 import pickle
 import threading
@@ -23,9 +24,10 @@ import torch
 from straw import Record, SharedFilesystemStore, protocol
 from straw import tensor as tensor_module
 from straw._fs import system
+from straw._pack.reader import read_buffer
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
-from straw.limits import CHUNK_BYTES
+from straw.limits import CHUNK_BYTES, READ_MAPPING_BYTES_MIN, MiB
 from straw.tensor import TENSOR_CODEC, TensorRef, attach, detach, publish_tensors
 
 RUN = "run-tensor-tests"
@@ -294,6 +296,55 @@ def test_a_64_row_slice_reads_at_most_two_chunks(
         assert torch.equal(part, value[start : start + 64])
         read = sum(b.nbytes for buffers, _ in calls for b in buffers)
         assert 64 * 48 * 8 * 4 <= read <= 2 * CHUNK_BYTES
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, READ_MAPPING_BYTES_MIN - 1, READ_MAPPING_BYTES_MIN, 9 * MiB + 3])
+def test_read_buffers_are_writable_memory_of_exactly_the_size_asked(nbytes: int) -> None:
+    buffer = read_buffer(nbytes)
+    assert buffer.nbytes == nbytes and not buffer.readonly and buffer.format == "B"
+    mapped = isinstance(buffer.obj, mmap.mmap)
+    assert mapped == (nbytes >= READ_MAPPING_BYTES_MIN)  # large ones are a private mapping of their own
+    if nbytes:
+        buffer[0] = buffer[nbytes - 1] = 0xA5
+        assert buffer[0] == buffer[nbytes - 1] == 0xA5
+
+
+@pytest.mark.parametrize("shape", [(64, 48, 8), (8192, 48, 8)], ids=["96KiB", "12MiB"])
+def test_numpy_reads_straight_into_the_array_it_returns(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
+) -> None:
+    value = numpy_value("int32", shape)
+    (ref,) = publish_tensors(store, {"routes": value}, submission_id=f"numpy-{shape[0]}")
+    ref.numpy()  # the index is cached from here on
+    calls = preadv_spy(monkeypatch)
+    loaded = ref.numpy()
+    assert len(calls) == 1
+    (target,), _ = calls[0]
+    assert target.nbytes == ref.nbytes and shares(target, loaded)
+    assert loaded.dtype == np.int32 and loaded.shape == shape and np.array_equal(loaded, value)
+    loaded[0, 0, 0] = -7  # a writable array of its own: the next read is unaffected
+    assert np.array_equal(ref.numpy(), value)
+
+
+def test_bytes_returned_by_large_reads_do_not_follow_later_changes_to_the_pack(
+    store: SharedFilesystemStore,
+) -> None:
+    """What a read verified is what the caller keeps: the result is private memory filled by
+    the read, never a view of the file (a change to the pack afterwards cannot reach it)."""
+    value = numpy_value("int32", (8192, 48, 8))  # 12 MiB: every result below is a mapped buffer
+    (ref,) = publish_tensors(store, {"routes": value}, submission_id="private")
+    as_numpy, as_torch, rows = ref.numpy(), ref.load(), ref[0:6000]
+    path, offset = payload_offset(store, ref)
+    with open(path, "r+b") as handle:  # overwrite the whole payload in place
+        handle.seek(offset)
+        handle.write(bytes(ref.nbytes))
+    assert np.array_equal(as_numpy, value)
+    assert np.array_equal(as_torch.numpy(), value)
+    assert np.array_equal(rows.numpy(), value[0:6000])
+    with pytest.raises(CorruptData, match="payload checksum"):
+        ref.numpy()  # and the damage is caught on the next read of each path
+    with pytest.raises(CorruptData, match="payload checksum"):
+        ref[0:6000]
 
 
 @pytest.mark.parametrize(
