@@ -262,6 +262,63 @@ class QueueState:
                 invariant(task.state in (COMPLETED, FAILED, CANCELLED), "only terminal tasks move to history")
                 del self.tasks[task_id]
 
+    def snapshot_copy(self) -> QueueState:
+        """A copy to build a snapshot from (DURABILITY.md J5.1), taken with the coordinator's
+        lock held: encoding and spilling it later, without the lock, must see this instant.
+
+        Only what later calls change in place is copied; the rest is shared. Terminal tasks
+        never change again (``TRANSITIONS`` has no way out of a terminal state), nor do task
+        specs, leases, receipts and history files (all frozen or append-only), so containers
+        are copied shallowly and only live tasks, consumers, batches and outstanding reads'
+        input lists are copied one level deep. The indexes a snapshot does not store
+        (``pending``, ``control``, ``expiry``) stay empty: the copy is only encoded and spilled.
+        """
+        terminal = (COMPLETED, FAILED, CANCELLED)
+        tasks = dict(self.tasks)
+        for task_id, t in tasks.items():
+            if t.state not in terminal:
+                tasks[task_id] = Task(
+                    t.spec,
+                    t.request_id,
+                    t.state,
+                    t.order,
+                    t.generation,
+                    t.failures,
+                    t.failure,
+                    t.lease,
+                    t.deadline,
+                )
+        out = QueueState(
+            self.run_id,
+            self.queue_id,
+            max_result_bytes=self.max_result_bytes,
+            max_result_tokens=self.max_result_tokens,
+            metadata_bytes=self.metadata_bytes,
+            epoch=self.epoch,
+            sealed=self.sealed,
+            draining=self.draining,
+            next_order=self.next_order,
+            tasks=tasks,
+            requests=dict(self.requests),
+            submissions=dict(self.submissions),
+            commits=self.commits.copy(),
+            commit_workers=list(self.commit_workers),
+            commit_packs=list(self.commit_packs),
+            producers=dict(self.producers),
+            reads=dict(self.reads),
+            read_inputs={key: list(inputs) for key, inputs in self.read_inputs.items()},
+            consumers={k: Consumer(c.owner, c.token, c.open, c.state) for k, c in self.consumers.items()},
+            batches={k: dict(batch) for k, batch in self.batches.items()},
+            checkpoints={k: dict(entry) for k, entry in self.checkpoints.items()},
+            counts=dict(self.counts),
+            released_cursor=self.released_cursor,
+            released_positions=self.released_positions,
+            ref_packs=dict(self.ref_packs),
+            history=History(self.history.files),
+        )
+        out.commits.history = out._history_receipt
+        return out
+
     # ------------------------------------------------------------------ helpers
 
     def _move(self, task: Task, event: str, to: str) -> None:
