@@ -613,8 +613,16 @@ class Coordinator:
         if self._spilled:
             return  # H3 still under way: the copy would hold entries the last file holds too
         seq, chain = journal.request_switch()
+        # The copy allocates one object per live task: the cycle collector is paused meanwhile
+        # (as replay does), so a full collection of the whole heap never runs under the lock.
+        collecting = gc.isenabled()
+        gc.disable()
         started = time.perf_counter()
-        state = self._state.snapshot_copy()  # the state after frame seq: every framed frame is applied
+        try:
+            state = self._state.snapshot_copy()  # the state after frame seq: every frame is applied
+        finally:
+            if collecting:
+                gc.enable()
         self._copy_seconds_max = max(self._copy_seconds_max, time.perf_counter() - started)
         if not SNAPSHOTS_IN_BACKGROUND:
             self._snapshotter = None
@@ -636,6 +644,8 @@ class Coordinator:
         spilled: _Spilled | None = None
         try:
             self._journal.switch()
+            if self._closed:
+                raise _Abandoned  # close() writes its own snapshot, of everything
             spilled = self._spill(state, seq)
             body = self._snapshot_bytes(state)
             if self._closed:
@@ -1444,7 +1454,8 @@ class Coordinator:
                 return
             self._closed = True
         # A background snapshot ends before the journal closes: once the segment switch is
-        # done it gives up at its next frame (J5.3), so this waits for little.
+        # done it gives up before spilling, or after encoding its copy (J5.3): both are
+        # bounded by live work.
         self._await_snapshot()
         with self._lock:
             try:
