@@ -302,7 +302,10 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
     times = _history_workers(queue, store, _Feed(queue, completed), threads, batched)
     work_s = time.perf_counter() - t0
     rss_live = _rss_bytes()
-    snapshots = queue.metrics()["journal"]["snapshots"]  # taken during the run (close adds one)
+    metrics = queue.metrics()
+    snapshots = metrics["journal"]["snapshots"]  # taken during the run (close adds one)
+    # The longest copy of the state a snapshot took under the lock (J5.1; absent before it).
+    copy_ms = metrics.get("snapshot_copy_seconds_max", float("nan")) * 1e3
     completes, cycles = times["complete"].tolist(), times["cycle"].tolist()  # after the RSS read
     t0 = time.perf_counter()
     queue.close()
@@ -323,6 +326,7 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "snapshots": snapshots,
+        "snapshot_copy_max_ms": copy_ms,
     }
     reopened = subprocess.run(
         [sys.executable, __file__, "--reopen", path], check=True, capture_output=True, text=True
@@ -375,6 +379,7 @@ HISTORY_COLUMNS = (
     ("queue_bytes_per_task", "queue B/task", "{:.0f}"),
     ("lookup_first_p50_ms", "lookup first p50 ms", "{:.3f}"),
     ("snapshots", "snapshots in run", "{:.0f}"),
+    ("snapshot_copy_max_ms", "longest copy ms", "{:.1f}"),
     ("load_before", "load before", "{:.1f}"),
     ("load_after", "load after", "{:.1f}"),
 )

@@ -243,6 +243,8 @@ class Coordinator:
         #: History files a background snapshot made durable (J5 H3), for the live state to
         #: take over: (file, accepted count it holds up to, ids of the tasks it holds).
         self._spilled: collections.deque[_Spilled] = collections.deque()
+        #: Longest copy of the state a snapshot took under the lock (J5.1), in seconds.
+        self._copy_seconds_max = 0.0
         store._ensure_catalog()  # I20: before the queue directory exists
         try:
             durable.make_dirs(self.directory, root, self.backend.sync_dir)
@@ -447,17 +449,13 @@ class Coordinator:
         limits: Mapping[str, int],
         journal: Journal | None = None,
         upto: int | None = None,
-        stop: Callable[[], bool] | None = None,
     ) -> tuple[QueueState, dict[str, Any] | None]:
         """The state after the journal's last durable frame (or frame ``upto``, read-only from
-        ``journal``), and the identity it last recorded. ``stop`` (a background snapshot's)
-        is asked before each frame; True abandons the replay with ``_Abandoned``."""
+        ``journal``), and the identity it last recorded."""
         holder: list[QueueState] = [new_state(self.store.run_id, self.queue_id, limits)]
         identity: list[dict[str, Any] | None] = [None]
 
         def apply(seq: int, body: bytes) -> None:
-            if stop is not None and stop():
-                raise _Abandoned
             event = decode(body)
             if event.get("op") == "epoch" and isinstance(event.get("identity"), dict):
                 identity[0] = event["identity"]
@@ -604,30 +602,50 @@ class Coordinator:
         return value
 
     def _maybe_snapshot(self) -> None:
-        """J5.1 (lock held, no I/O): past the threshold, a snapshot starts in the background."""
+        """J5.1 (lock held, no file I/O): past the threshold, the state is copied and a snapshot
+        of the copy starts in the background."""
         journal = self._journal
         if journal.bytes_since_snapshot < max(JOURNAL_SNAPSHOT_BYTES_MIN, journal.snapshot_bytes):
             return
         running = self._snapshotter
         if (running is not None and running.is_alive()) or journal.failed is not None:
             return
+        if self._spilled:
+            return  # H3 still under way: the copy would hold entries the last file holds too
         seq, chain = journal.request_switch()
+        # The copy allocates one object per live task: the cycle collector is paused meanwhile
+        # (as replay does), so a full collection of the whole heap never runs under the lock.
+        collecting = gc.isenabled()
+        gc.disable()
+        started = time.perf_counter()
+        try:
+            state = self._state.snapshot_copy()  # the state after frame seq: every frame is applied
+        finally:
+            if collecting:
+                gc.enable()
+        self._copy_seconds_max = max(self._copy_seconds_max, time.perf_counter() - started)
         if not SNAPSHOTS_IN_BACKGROUND:
             self._snapshotter = None
-            self._snapshot_job(seq, chain)
+            self._snapshot_job(seq, chain, state)
             return
         thread = threading.Thread(
-            target=self._snapshot_job, args=(seq, chain), name=f"straw-snapshot-{self.queue_id}", daemon=True
+            target=self._snapshot_job,
+            args=(seq, chain, state),
+            name=f"straw-snapshot-{self.queue_id}",
+            daemon=True,
         )
         self._snapshotter = thread
         thread.start()
 
-    def _snapshot_job(self, seq: int, chain: bytes) -> None:
+    def _snapshot_job(self, seq: int, chain: bytes, state: QueueState) -> None:
         """J5.2-J5.5 without the coordinator's lock: calls go on while the snapshot of frame ``seq``
-        is built and written. Frames after ``seq`` wait only for the segment switch (J5.2)."""
+        is encoded from ``state`` (the copy J5.1 took) and written. Frames after ``seq`` wait
+        only for the segment switch (J5.2)."""
+        spilled: _Spilled | None = None
         try:
             self._journal.switch()
-            state = self._snapshot_state(seq)
+            if self._closed:
+                raise _Abandoned  # close() writes its own snapshot, of everything
             spilled = self._spill(state, seq)
             body = self._snapshot_bytes(state)
             if self._closed:
@@ -636,14 +654,15 @@ class Coordinator:
             # H3: the snapshot naming the file is durable; the live state may now forget what
             # the file holds (it does so bit by bit, in later calls: _take_history).
             if spilled is not None:
-                self._spilled.append(spilled)
+                self._spilled.append(spilled)  # the live state shares the copy's file objects
+                spilled = None
             self._prune_history(state.history.names())
-            for file in state.history.files:  # the rebuilt state's descriptors (the live state
-                file.close()  # opens its own again when a lookup reads the shared new file)
             self._snapshot_error = None
         except _Abandoned:
+            self._drop_orphan(spilled)
             return  # closing: not a failure, nothing was written since the switch
         except BaseException as error:
+            self._drop_orphan(spilled)
             # Before the snapshot is durable nothing changed, and the next one is due after as
             # many journal bytes again. A failed switch stops the coordinator like a failed
             # journal write (J3): recovery continues from the files. Nobody waits for this
@@ -655,16 +674,12 @@ class Coordinator:
             if self._journal.failed is not None and self._broken is None:
                 self._broken = error
 
-    def _snapshot_state(self, seq: int) -> QueueState:
-        """J5.3: the state as of frame ``seq``, rebuilt from the files (the newest snapshot and the
-        segments up to ``seq``, which nothing writes any more) by a read-only replay: the live
-        state is never copied or read, so it stays free for calls (I10 makes the two equal)."""
-        reader = Journal(
-            self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
-        )
-        # close() must not wait for a whole rebuild: it abandons this one (it snapshots itself).
-        state, _ = self._replay(self._limits(), reader, seq, stop=lambda: self._closed)
-        return state
+    @staticmethod
+    def _drop_orphan(spilled: _Spilled | None) -> None:
+        """A history file no durable snapshot names (H1): its descriptor is closed; H4 of the
+        next snapshot deletes the file."""
+        if spilled is not None:
+            spilled.file.close()
 
     def _snapshot_bytes(self, state: QueueState) -> bytes:
         body = state_to_dict(state)
@@ -1403,6 +1418,7 @@ class Coordinator:
                 "recovery_seconds": self.recovery_seconds,
                 "counters": dict(self._counters),
                 "snapshot_error": repr(self._snapshot_error) if self._snapshot_error else None,
+                "snapshot_copy_seconds_max": self._copy_seconds_max,
             }
 
         out = dict(self._query(read))
@@ -1438,7 +1454,8 @@ class Coordinator:
                 return
             self._closed = True
         # A background snapshot ends before the journal closes: once the segment switch is
-        # done it gives up at its next frame (J5.3), so this waits for little.
+        # done it gives up before spilling, or after encoding its copy (J5.3): both are
+        # bounded by live work.
         self._await_snapshot()
         with self._lock:
             try:

@@ -158,8 +158,15 @@ invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid re
 #: Journal bytes written since the last snapshot before the coordinator writes a
 #: new one. The real threshold is the larger of this and the last snapshot's
 #: size, so snapshot work stays proportional to journal work (each journal byte
-#: is copied into a snapshot at most about once).
-JOURNAL_SNAPSHOT_BYTES_MIN = 64 * MiB
+#: is copied into a snapshot at most about once). Small because what finished
+#: since the last snapshot is the only history the live state holds (each
+#: snapshot moves it to a history file, DURABILITY.md J5 H1) and a snapshot is
+#: cheap: a copy under the lock proportional to live work (J5.1), the rest off
+#: it. 8 MiB is about 12k completed tasks (about 670 journal bytes each with
+#: acquire(64)): at 100k tasks it took live RSS from 753 MiB (64 MiB) to 287;
+#: smaller would add history files (one per snapshot) and rewrite the live
+#: state more often for little memory (docs/QUEUE.md "Snapshots and memory").
+JOURNAL_SNAPSHOT_BYTES_MIN = 8 * MiB
 
 #: Entries (receipts, submission ids, tasks) the live state forgets per call once a history
 #: file holds them (J5 H3): the work is spread over calls, so none waits long behind it.

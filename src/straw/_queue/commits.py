@@ -106,6 +106,15 @@ class CommitLog:
             self._rows = []
         self.base = cut
 
+    def copy(self) -> CommitLog:
+        """A log that later appends and drops of this one leave alone (rows are never changed
+        in place, so the lists are copied, not their rows)."""
+        out = CommitLog(self._run_id)
+        out._paths, out._segments = list(self._paths), list(self._segments)
+        out._rows, out._new = list(self._rows), list(self._new)
+        out.base, out.history = self.base, self.history
+        return out
+
     def pack(self, run_id: str) -> dict[str, Any]:
         """The snapshot form: loaded rows as they are, later receipts packed after them."""
         paths = list(self._paths)

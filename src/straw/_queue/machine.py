@@ -165,6 +165,9 @@ class QueueState:
     #: Terminal tasks and accepted receipts moved to disk (docs/FORMAT.md 8.4): the receipts
     #: below ``commits.base``, and tasks no longer in ``tasks``. Looked up when memory misses.
     history: History = field(default_factory=History)
+    #: Ids of the tasks that are pending or leased (those a later call may still change):
+    #: what ``snapshot_copy`` copies, in time proportional to live work, not to ``tasks``.
+    unfinished: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------ history on disk
 
@@ -262,6 +265,67 @@ class QueueState:
                 invariant(task.state in (COMPLETED, FAILED, CANCELLED), "only terminal tasks move to history")
                 del self.tasks[task_id]
 
+    def snapshot_copy(self) -> QueueState:
+        """A copy to build a snapshot from (DURABILITY.md J5.1), taken with the coordinator's
+        lock held: encoding and spilling it later, without the lock, must see this instant.
+
+        Only what later calls change in place is copied; the rest is shared. Terminal tasks
+        never change again (``TRANSITIONS`` has no way out of a terminal state), nor do task
+        specs, leases, receipts and history files (all frozen or append-only), so containers
+        are copied shallowly and only live tasks (``unfinished``), consumers, batches and outstanding reads'
+        input lists are copied one level deep. The indexes a snapshot does not store
+        (``pending``, ``control``, ``expiry``) stay empty: the copy is only encoded and spilled.
+        """
+        invariant(
+            len(self.unfinished) == self.counts[PENDING] + self.counts[LEASED],
+            "unfinished lists the live tasks",
+        )
+        tasks = dict(self.tasks)  # one C-level copy; then the live tasks, one by one
+        for task_id in self.unfinished:
+            t = tasks[task_id]
+            tasks[task_id] = Task(
+                t.spec,
+                t.request_id,
+                t.state,
+                t.order,
+                t.generation,
+                t.failures,
+                t.failure,
+                t.lease,
+                t.deadline,
+            )
+        out = QueueState(
+            self.run_id,
+            self.queue_id,
+            max_result_bytes=self.max_result_bytes,
+            max_result_tokens=self.max_result_tokens,
+            metadata_bytes=self.metadata_bytes,
+            epoch=self.epoch,
+            sealed=self.sealed,
+            draining=self.draining,
+            next_order=self.next_order,
+            tasks=tasks,
+            requests=dict(self.requests),
+            submissions=dict(self.submissions),
+            commits=self.commits.copy(),
+            commit_workers=list(self.commit_workers),
+            commit_packs=list(self.commit_packs),
+            producers=dict(self.producers),
+            reads=dict(self.reads),
+            read_inputs={key: list(inputs) for key, inputs in self.read_inputs.items()},
+            consumers={k: Consumer(c.owner, c.token, c.open, c.state) for k, c in self.consumers.items()},
+            batches={k: dict(batch) for k, batch in self.batches.items()},
+            checkpoints={k: dict(entry) for k, entry in self.checkpoints.items()},
+            counts=dict(self.counts),
+            released_cursor=self.released_cursor,
+            released_positions=self.released_positions,
+            ref_packs=dict(self.ref_packs),
+            history=History(self.history.files),
+            unfinished=set(self.unfinished),
+        )
+        out.commits.history = out._history_receipt
+        return out
+
     # ------------------------------------------------------------------ helpers
 
     def _move(self, task: Task, event: str, to: str) -> None:
@@ -272,6 +336,8 @@ class QueueState:
         self.counts[task.state] -= 1
         self.counts[to] += 1
         task.state = to
+        if to in (COMPLETED, FAILED, CANCELLED):
+            self.unfinished.discard(task.spec.task_id)  # terminal: no transition leaves it
 
     def _index(self, task: Task) -> PendingIndex:
         return self.control if task.spec.control else self.pending
@@ -409,6 +475,7 @@ class QueueState:
         for spec in specs:
             task = Task(spec, event["request_id"])
             self.tasks[spec.task_id] = task
+            self.unfinished.add(spec.task_id)
             self.counts[PENDING] += 1
             self._enqueue(task)
             ids.append(spec.task_id)
@@ -1494,6 +1561,8 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
         )
         state.tasks[spec.task_id] = task
         state.counts[status] += 1
+        if status in (PENDING, LEASED):
+            state.unfinished.add(spec.task_id)
         if status == PENDING:
             key = pending_key(spec.priority, spec.scheduling_key, order, spec.task_id)
             (control if spec.control else pending).append(key)
