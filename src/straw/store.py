@@ -29,7 +29,7 @@ from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
-from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, read_buffer
+from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, SharedMemo, read_buffer
 from ._pack.writer import CommitUncertain, Entry, PackWriter
 from .backend import FilesystemBackend
 from .errors import (
@@ -119,40 +119,17 @@ class _Resolved:
     dependencies: tuple[RecordSetRef, ...]
 
 
-class _WrittenSets:
-    """Record sets the stores of this process published, resolved, by their exact reference.
-
-    docs/FORMAT.md section 5, "Record sets this process wrote": a writer that has just made
-    an extent durable knows what verifying one of its sets would find (its manifest, the
-    index entries of its records, its dependencies), since the index frame the reference's
-    checksum names holds exactly that. Every session of the process starts from it, as from
-    its own memo of verified sets: the manifest's extent is still located on each hit (the
-    segment checks, and the index frame read and verified when not cached), so only the
-    manifest's parse and the digest's recomputation are skipped. Bounded by
-    ``WRITTEN_SETS_CACHED_MAX``, oldest first out.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._items: OrderedDict[RecordSetRef, _Resolved] = OrderedDict()
-
-    def get(self, ref: RecordSetRef) -> _Resolved | None:
-        with self._lock:
-            return self._items.get(ref)
-
-    def put(self, items: Sequence[tuple[RecordSetRef, _Resolved]]) -> None:
-        with self._lock:
-            for ref, resolved in items:
-                self._items[ref] = resolved
-            while len(self._items) > WRITTEN_SETS_CACHED_MAX:
-                self._items.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-
-WRITTEN_SETS = _WrittenSets()
+#: Record sets the stores of this process published, resolved, by their exact reference.
+#:
+#: docs/FORMAT.md section 5, "Record sets this process wrote": a writer that has just made
+#: an extent durable knows what verifying one of its sets would find (its manifest, the
+#: index entries of its records, its dependencies), since the index frame the reference's
+#: checksum names holds exactly that. Every session of the process starts from it, as from
+#: its own memo of verified sets: the manifest's extent is still located on each hit (the
+#: segment checks, and the index frame read and verified when not cached), so only the
+#: manifest's parse and the digest's recomputation are skipped. Bounded by
+#: ``WRITTEN_SETS_CACHED_MAX``, oldest first out.
+WRITTEN_SETS: SharedMemo[RecordSetRef, _Resolved] = SharedMemo(lambda: WRITTEN_SETS_CACHED_MAX)
 
 
 #: Forks this process descends from (bumped in each child): a session compares it with the
@@ -509,7 +486,7 @@ _VERIFY_BYTES = 64 * 1024 * 1024
 
 
 def _share_written(refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manifest]) -> None:
-    """Remember what verifying these just published sets would find (``_WrittenSets``).
+    """Remember what verifying these just published sets would find (``WRITTEN_SETS``).
 
     Built from the index the writer shares once the extent is durable (``remember_written``,
     which shares only entries whose metadata nothing the caller holds can change); without it
@@ -527,7 +504,7 @@ def _share_written(refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manif
         records = tuple([_Located(segment, o, entries[o], chunk) for _, o in manifest.records])
         deps = tuple(ReadSession._dependency(d, segment) for d in manifest.dependencies)
         items.append((ref, _Resolved(manifest, records, deps)))
-    WRITTEN_SETS.put(items)
+    WRITTEN_SETS.put_all(items)
 
 
 def _usage(dependency: Mapping[str, Any], field: str) -> int:
@@ -1101,7 +1078,7 @@ class SharedFilesystemStore:
         """``validate`` with ownership plus ``reach`` in one resolution (the queue's complete path).
 
         It returns no bytes, so it may use index frames that a store of this process wrote
-        and made durable without reading them back (``_SharedIndexes``). With ``adoption``,
+        and made durable without reading them back (``SHARED_INDEXES``). With ``adoption``,
         it also notes what the result's staging is (docs/GC.md "Queue adoption").
         """
         session = self._session(shared=True)

@@ -13,9 +13,9 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import Generic, NoReturn, TypeVar
 
 import xxhash
 
@@ -38,33 +38,37 @@ WRITER_NAME = re.compile(r"[0-9a-f]{32}")
 PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
 INDEX_CACHE_MAX = 4096
-#: Index frames shared by every reader of the process (see :class:`_SharedIndexes`).
+#: Index frames shared by every reader of the process (``SHARED_INDEXES``).
 SHARED_INDEX_CACHE_MAX = 4096
 _SCALARS = (str, int, float, bool, type(None))
 
 
-class _SharedIndexes:
-    """Parsed index frames that any store of this process wrote or verified, by SegmentRef.
+K = TypeVar("K")
+V = TypeVar("V")
 
-    A SegmentRef names an immutable extent by path, offset, size and checksum (I1), so an
-    index verified once, or built by the writer that just made it durable, describes those
-    bytes for every store of the process. A coordinator validating a result that a worker
-    thread of the same process published then skips re-reading and re-parsing it. Only
-    readers made with ``shared=True`` consult it (validation, which returns no bytes).
-    """
 
-    def __init__(self) -> None:
+class SharedMemo(Generic[K, V]):
+    """A process-wide map of what verifying immutable bytes found, by their exact reference,
+    shared by the threads of the process: at most ``limit()`` entries, oldest first out (the
+    bound is read on each insertion, so it is the named limit's current value)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
         self._lock = threading.Lock()
-        self._items: OrderedDict[SegmentRef, frame.Index] = OrderedDict()
+        self._items: OrderedDict[K, V] = OrderedDict()
 
-    def get(self, segment: SegmentRef) -> frame.Index | None:
+    def get(self, key: K) -> V | None:
         with self._lock:
-            return self._items.get(segment)
+            return self._items.get(key)
 
-    def put(self, segment: SegmentRef, index: frame.Index) -> None:
+    def put(self, key: K, value: V) -> None:
+        self.put_all(((key, value),))
+
+    def put_all(self, items: Iterable[tuple[K, V]]) -> None:
         with self._lock:
-            self._items[segment] = index
-            while len(self._items) > SHARED_INDEX_CACHE_MAX:
+            for key, value in items:
+                self._items[key] = value
+            while len(self._items) > self._limit():
                 self._items.popitem(last=False)
 
     def clear(self) -> None:
@@ -72,7 +76,14 @@ class _SharedIndexes:
             self._items.clear()
 
 
-SHARED_INDEXES = _SharedIndexes()
+#: Parsed index frames that any store of this process wrote or verified, by SegmentRef.
+#:
+#: A SegmentRef names an immutable extent by path, offset, size and checksum (I1), so an
+#: index verified once, or built by the writer that just made it durable, describes those
+#: bytes for every store of the process. A coordinator validating a result that a worker
+#: thread of the same process published then skips re-reading and re-parsing it. Only
+#: readers made with ``shared=True`` consult it (validation, which returns no bytes).
+SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(lambda: SHARED_INDEX_CACHE_MAX)
 
 
 def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[frame.IndexEntry]) -> None:
