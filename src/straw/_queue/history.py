@@ -256,13 +256,6 @@ class HistoryFile:
             at += 1
         return None
 
-    def might_hold(self, wanted: int, tasks: bool) -> bool:
-        """False if no task id (``tasks``) or submission id with hash ``wanted`` is here."""
-        task_hashes, sub_hashes = self.load()
-        hashes = task_hashes if tasks else sub_hashes
-        at = bisect.bisect_left(hashes, wanted)
-        return at < len(hashes) and hashes[at] == wanted
-
     def position(self, submission_id: str, wanted: int | None = None) -> int | None:
         """The accepted position of ``submission_id`` if this file holds its receipt."""
         _, hashes = self.load()
@@ -343,21 +336,13 @@ class History:
     def task(self, task_id: str) -> Any | None:
         """A task's row, or None (usually from the in-memory hashes alone, no read)."""
         wanted = key_hash(task_id)
-        for file in reversed(self.files):
-            if file.might_hold(wanted, True):
-                row = file.task(task_id, wanted)
-                if row is not None:
-                    return row
-        return None
+        found = (file.task(task_id, wanted) for file in reversed(self.files))
+        return next((row for row in found if row is not None), None)
 
     def position(self, submission_id: str) -> int | None:
         wanted = key_hash(submission_id)
-        for file in reversed(self.files):
-            if file.might_hold(wanted, False):
-                found = file.position(submission_id, wanted)
-                if found is not None:
-                    return found
-        return None
+        found = (file.position(submission_id, wanted) for file in reversed(self.files))
+        return next((position for position in found if position is not None), None)
 
     def task_rows(self) -> Iterator[Any]:
         for file in self.files:
