@@ -179,9 +179,6 @@ class QueueState:
         row = self.history.task(task_id)
         return task_from_row(row, self) if row is not None else None
 
-    def known_task(self, task_id: str) -> bool:
-        return task_id in self.tasks or (bool(self.history) and self.history.task(task_id) is not None)
-
     def position_of(self, submission_id: str) -> int | None:
         position = self.submissions.get(submission_id)
         if position is None and self.history:
@@ -384,9 +381,7 @@ class QueueState:
                 f"lease belongs to run {lease.run_id!r} queue {lease.queue_id!r}, "
                 f"not run {self.run_id!r} queue {self.queue_id!r}"
             )
-        task = self.tasks.get(lease.task_id)
-        if task is None:
-            task = self.find_task(lease.task_id)  # a finished task answers from its history file
+        task = self.find_task(lease.task_id)  # a finished task may answer from its history file
         if task is None:
             raise InvalidReference(f"lease names unknown task {lease.task_id!r}")
         held = task.lease
@@ -441,7 +436,7 @@ class QueueState:
         if len(set(ids)) != len(ids):
             raise ValueError("submit_tasks got the same task id twice")
         for task_id in ids:
-            known = self.tasks.get(task_id) or (self.find_task(task_id) if self.history else None)
+            known = self.find_task(task_id)
             if known is not None:
                 raise IdempotencyConflict(
                     f"task id {task_id!r} was already submitted by request {known.request_id!r}"
@@ -936,7 +931,7 @@ class QueueState:
         return {"op": "cancel", "request_id": request_id, "fingerprint": fingerprint, "task_id": task_id}
 
     def _apply_cancel(self, event: Event) -> str:
-        task = self.tasks.get(event["task_id"]) or self.find_task(event["task_id"])
+        task = self.find_task(event["task_id"])
         if task is None:
             raise CorruptData(f"the journal cancels task {event['task_id']!r}, which the queue never knew")
         if task.state == PENDING:
@@ -1289,25 +1284,24 @@ class QueueState:
         """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
         results not yet processed, plus the estimates of leased production tasks; ready batches."""
         unprocessed = {"records": 0, "bytes": 0, "tokens": 0}
-        for file in self.history.files:
-            processed = [acknowledged(p) for p in range(file.first, file.stop)]
-            if not any(processed):  # the usual case: nothing of this file processed, its totals
-                totals = file.meta()["totals"] if processed else [0, 0, 0]
-                for name, value in zip(("records", "bytes", "tokens"), totals, strict=True):
-                    unprocessed[name] += value
-                continue
-            for position in range(file.first, file.stop):
-                if not processed[position - file.first]:
-                    ref = self.commits[position]["result_ref"]
-                    unprocessed["records"] += ref["records"]
-                    unprocessed["bytes"] += ref["payload_bytes"]
-                    unprocessed["tokens"] += ref["tokens"]
-        for position in range(self.commits.base, len(self.commits)):
-            if not acknowledged(position):
+
+        def add(records: int, payload_bytes: int, tokens: int) -> None:
+            unprocessed["records"] += records
+            unprocessed["bytes"] += payload_bytes
+            unprocessed["tokens"] += tokens
+
+        def add_results(positions: Iterable[int]) -> None:
+            for position in positions:
                 ref = self.commits[position]["result_ref"]
-                unprocessed["records"] += ref["records"]
-                unprocessed["bytes"] += ref["payload_bytes"]
-                unprocessed["tokens"] += ref["tokens"]
+                add(ref["records"], ref["payload_bytes"], ref["tokens"])
+
+        for file in self.history.files:
+            positions = range(file.first, file.stop)
+            if positions and not any(acknowledged(p) for p in positions):
+                add(*file.meta()["totals"])  # the usual case: nothing of the file processed
+            else:
+                add_results(p for p in positions if not acknowledged(p))
+        add_results(p for p in range(self.commits.base, len(self.commits)) if not acknowledged(p))
         inflight = control = 0
         reserved = dict(unprocessed)
         for task in self.tasks.values():
