@@ -943,15 +943,12 @@ class Coordinator:
             return self.store.validate_reach(
                 ref, task_id=lease.task_id, attempt_id=lease.attempt_id, adoption=adopted
             )
-        except StorageUnavailable as error:
-            # Item 7: a result whose data is gone is refused, and no new work is handed out
-            # from here on: the pool is not healthy (recovery, a new coordinator, resumes).
-            with self._lock:
-                self._paused = error
-            if number is None:
-                raise
-            raise type(error)(f"complete_tasks entry {number}: {error}") from error
         except QueueError as error:
+            if isinstance(error, StorageUnavailable):
+                # Item 7: a result whose data is gone is refused, and no new work is handed out
+                # from here on: the pool is not healthy (recovery, a new coordinator, resumes).
+                with self._lock:
+                    self._paused = error
             if number is None:
                 raise
             raise type(error)(f"complete_tasks entry {number}: {error}") from error
