@@ -37,20 +37,6 @@ def _empty_caches() -> Iterator[None]:
 
 
 @pytest.fixture
-def digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts manifest digest recomputations (one per verification of a set)."""
-    calls = [0]
-    original = store_module.logical_digest
-
-    def counted(*args: Any) -> str:
-        calls[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(store_module, "logical_digest", counted)
-    return calls
-
-
-@pytest.fixture
 def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
     with SharedFilesystemStore(tmp_path / "pool", RUN) as opened:
         yield opened
