@@ -50,6 +50,8 @@ def juicefs_clients() -> Iterator[juicefs_mount.JuiceFSClients]:
     """Two independent JuiceFS clients (``.a``, ``.b``) of one fresh volume, for the session."""
     if _juicefs_mode() in {"0", "off", "false", "no"}:
         pytest.skip("JuiceFS tests disabled by STRAW_JUICEFS=0")
+    # Pairs left mounted by an earlier run that was killed (no teardown ran) are cleaned first.
+    juicefs_mount.sweep_abandoned()
     pair = juicefs_mount.JuiceFSPair()
     try:
         pair.start()

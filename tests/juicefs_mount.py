@@ -61,6 +61,7 @@ __all__ = [
     "find_juicefs",
     "juicefs_pair",
     "juicefs_version",
+    "sweep_abandoned",
     "wait_until",
 ]
 
@@ -76,6 +77,12 @@ VISIBILITY_TIMEOUT_S = 30.0
 UMOUNT_TIMEOUT_S = 30.0
 DAEMON_EXIT_TIMEOUT_S = 6.0  # split over: natural exit, SIGTERM, SIGKILL
 POLL_INTERVAL_S = 0.05
+
+
+#: Every pair lives in a temp dir named like this; the sweep only looks at such dirs.
+PAIR_DIR_PREFIX = "straw-juicefs-"
+#: File in the pair's dir naming the process that set it up (pid + kernel start time).
+OWNER_FILE = "owner.json"
 
 
 class JuiceFSUnavailable(RuntimeError):
@@ -483,7 +490,8 @@ class JuiceFSPair:
             if self._binary is None:
                 self._binary = find_juicefs()
             self.version = juicefs_version(self.binary)
-            self.base = Path(tempfile.mkdtemp(prefix="straw-juicefs-", dir=self._base_dir_parent))
+            self.base = Path(tempfile.mkdtemp(prefix=PAIR_DIR_PREFIX, dir=self._base_dir_parent))
+            _write_owner(self.base)
             self.meta_url = f"sqlite3://{self.base / 'meta.db'}"
             self._format()
             for name in ("a", "b"):
@@ -683,6 +691,67 @@ class JuiceFSPair:
                     os.kill(pid, sig)
             if wait_until(lambda: not running(), DAEMON_EXIT_TIMEOUT_S / 3):
                 return
+
+
+# --------------------------------------------------------------------------------------
+# Pairs abandoned by a killed run
+# --------------------------------------------------------------------------------------
+
+
+def _start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone.
+
+    A pid alone can be reused after the owner dies; pid + start time cannot.
+    """
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (comm) is parenthesised and may contain spaces: split after its last ")".
+    fields = stat_line[stat_line.rindex(")") + 2 :].split()
+    return int(fields[19])  # field 22 of the whole line
+
+
+def _write_owner(base: Path) -> None:
+    pid = os.getpid()
+    (base / OWNER_FILE).write_text(json.dumps({"pid": pid, "start_time": _start_time(pid)}))
+
+
+def _owner_alive(base: Path) -> bool:
+    """False only when the recorded owner is provably gone; unreadable owner files count as alive."""
+    try:
+        owner = json.loads((base / OWNER_FILE).read_text())
+        pid, start = int(owner["pid"]), owner["start_time"]
+    except (OSError, ValueError, KeyError, TypeError):
+        # No owner record (older code, or set-up still in progress): never touch it.
+        return True
+    return _start_time(pid) == start
+
+
+def sweep_abandoned(parent: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Unmount and delete the pairs whose owning process died without closing them.
+
+    A test run that is SIGKILLed cannot run :meth:`JuiceFSPair.close` (nor its atexit hook),
+    so its two FUSE mounts and daemons outlive it. This finds every ``straw-juicefs-*`` dir
+    under ``parent`` (default: the temp dir) whose owner record names a dead process, tears it
+    down exactly as ``close`` would and returns the dirs it cleaned. Pairs of live processes,
+    and dirs without an owner record, are left alone.
+    """
+    root = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    swept = []
+    for base in sorted(root.glob(PAIR_DIR_PREFIX + "*")):
+        if not base.is_dir() or _owner_alive(base):
+            continue
+        pair = JuiceFSPair(root)
+        pair.base = base
+        pair._started = True
+        pair._clients = [
+            _Client(name, base / f"mnt-{name}", base / f"cache-{name}", base / f"juicefs-{name}.log")
+            for name in ("a", "b")
+        ]
+        pair.close()
+        swept.append(base)
+    return swept
 
 
 @contextlib.contextmanager

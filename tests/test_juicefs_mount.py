@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import select
 import signal
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import juicefs_mount
 
 pytestmark = pytest.mark.juicefs
 
@@ -260,3 +263,72 @@ def test_lock_released_when_holder_is_killed(juicefs_pool, lock_holder, kind) ->
         _unlock(fd, kind)
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------- abandoned pairs
+
+# Child that sets up its own pair, reports the pair's dir and daemon pids, then waits to be
+# killed: SIGKILL skips close() and atexit, which is how a killed test run leaks its mounts.
+_ABANDONER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import juicefs_mount
+pair = juicefs_mount.JuiceFSPair(sys.argv[2]).start()
+clients = pair.clients()
+sys.stdout.write(json.dumps({"base": str(pair.base), "pids": sorted(clients.pids_a | clients.pids_b)}) + "\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+
+
+def test_sweep_cleans_a_pair_whose_owner_was_killed(juicefs_clients, tmp_path) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ABANDONER, str(Path(__file__).parent), str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 120.0)
+        assert ready, f"child did not set up its pair within 120 s (exit code {child.poll()})"
+        report = json.loads(child.stdout.readline())
+        base, pids = Path(report["base"]), report["pids"]
+        # While the owner lives, the sweep leaves its pair (and the session's) alone.
+        assert juicefs_mount.sweep_abandoned(tmp_path) == []
+        assert os.path.ismount(base / "mnt-a") and os.path.ismount(base / "mnt-b")
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    # The owner is gone without teardown: both mounts and their daemons are still there.
+    assert os.path.ismount(base / "mnt-a") and os.path.ismount(base / "mnt-b")
+    assert pids and all(Path(f"/proc/{pid}").exists() for pid in pids)
+
+    assert juicefs_mount.sweep_abandoned(tmp_path) == [base]
+    mounted = _mount_entries()
+    assert str(base / "mnt-a") not in mounted and str(base / "mnt-b") not in mounted
+    assert not base.exists()
+    assert juicefs_mount.wait_until(lambda: not any(juicefs_mount._is_live_juicefs(p) for p in pids), 10.0)
+    # The session's own pair, whose owner is this process, was never touched.
+    assert os.path.ismount(juicefs_clients.a) and os.path.ismount(juicefs_clients.b)
+    assert juicefs_mount.sweep_abandoned(tmp_path) == []
+
+
+def test_sweep_leaves_dirs_without_a_provably_dead_owner(tmp_path) -> None:
+    no_owner = tmp_path / f"{juicefs_mount.PAIR_DIR_PREFIX}none"
+    no_owner.mkdir()
+    unreadable = tmp_path / f"{juicefs_mount.PAIR_DIR_PREFIX}junk"
+    unreadable.mkdir()
+    (unreadable / juicefs_mount.OWNER_FILE).write_text("{not json")
+    live = tmp_path / f"{juicefs_mount.PAIR_DIR_PREFIX}live"
+    live.mkdir()
+    juicefs_mount._write_owner(live)
+    reused = tmp_path / f"{juicefs_mount.PAIR_DIR_PREFIX}reused"
+    reused.mkdir()
+    # This process's pid with another start time: the pid was reused, the owner is dead.
+    (reused / juicefs_mount.OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start_time": -1}))
+    (tmp_path / "unrelated").mkdir()
+
+    assert juicefs_mount.sweep_abandoned(tmp_path) == [reused]
+    assert not reused.exists()
+    assert no_owner.is_dir() and unreadable.is_dir() and live.is_dir() and (tmp_path / "unrelated").is_dir()
