@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import struct
 import threading
@@ -32,7 +33,7 @@ from straw._journal.log import Journal
 from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
-from straw.limits import JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
+from straw.limits import JOURNAL_COMPANY_APPENDS, JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
 from straw.protocol import TaskSpec, decode, encode
 
 TAG = frame.identity_tag("run-journal", "rollout")
@@ -794,6 +795,40 @@ def test_j2_a_sync_wakes_only_the_callers_it_made_durable(tmp_path: Path) -> Non
     journal.close()
     applied, _, _ = replay(tmp_path)
     assert sorted(body for _, body in applied) == [b"a", b"b", b"c", b"d", b"e"]
+
+
+def test_j2_the_leader_yields_only_while_other_threads_frame_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone caller commits without a scheduler yield; once another thread frames, the leader
+    yields (so callers about to append may join) for the next JOURNAL_COMPANY_APPENDS frames."""
+    yields = [0]
+    real_yield = os.sched_yield
+
+    def counted() -> None:
+        yields[0] += 1
+        real_yield()
+
+    monkeypatch.setattr(os, "sched_yield", counted)
+    journal = open_journal(tmp_path)
+    journal.start_segment()
+
+    def commit(body: bytes) -> None:
+        journal.wait(journal.append(body))
+
+    for body in bodies(20):
+        commit(body)
+    assert yields[0] == 0
+    other = threading.Thread(target=commit, args=(b"from another thread",))
+    other.start()
+    other.join(30)
+    assert yields[0] == 1  # that thread framed after this one: company, so its leader yielded
+    for body in bodies(2 * JOURNAL_COMPANY_APPENDS):
+        commit(body)
+    assert yields[0] == 1 + JOURNAL_COMPANY_APPENDS  # then alone again: no more yields
+    journal.close()
+    applied, _, _ = replay(tmp_path)
+    assert len(applied) == 21 + 2 * JOURNAL_COMPANY_APPENDS
 
 
 def test_j3_a_failed_journal_write_stops_the_journal(tmp_path: Path) -> None:

@@ -27,7 +27,12 @@ from typing import Any
 from .._fs import durable, posix
 from ..backend import FilesystemBackend
 from ..errors import UnsafeRecovery, invariant
-from ..limits import JOURNAL_PREALLOC_BYTES, JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
+from ..limits import (
+    JOURNAL_COMPANY_APPENDS,
+    JOURNAL_PREALLOC_BYTES,
+    JOURNAL_SYNCS_IN_FLIGHT,
+    LOG_CLOSE_ZEROS,
+)
 from . import frame, scan
 from .scan import SNAP_DIR, WAL_DIR
 
@@ -76,6 +81,10 @@ class Journal:
         self._written = 0  # the last frame written to the file (durable once a later sync returns)
         self._pending: list[bytes] = []
         self._writing = False  # one batch is written at a time, in sequence order
+        #: The thread that framed the last frame, and how many more frames count as "others
+        #: are about" since a different thread framed one (the group-commit yield, J2.2).
+        self._appender = 0
+        self._company = 0
         self._syncing = 0  # syncs in flight (at most JOURNAL_SYNCS_IN_FLIGHT)
         # Written batches in order, as [last seq, end offset, synced]: one is durable only once
         # it and every batch before it synced (A3: a later sync proves nothing about earlier bytes).
@@ -303,6 +312,13 @@ class Journal:
         with self._cv:
             self._check_failed()
             seq = self._next_seq
+            ident = threading.get_ident()
+            if ident != self._appender:
+                # Another thread framed the last frame (none did before the first one).
+                self._company = JOURNAL_COMPANY_APPENDS if self._appender else 0
+                self._appender = ident
+            elif self._company:
+                self._company -= 1
             header, self._chain = frame.encode_frame(seq, self._chain, body, self._durable)
             self._pending += (header, body)
             self._next_seq = seq + 1
@@ -377,10 +393,13 @@ class Journal:
         batch fails nothing after it is acknowledged (A3, J3).
         """
         self._writing = True
-        # Let threads that are about to append join this batch (one scheduler yield, no sleep).
-        self._cv.release()
-        os.sched_yield()
-        self._cv.acquire()
+        if self._company or self._waiters:
+            # Let threads that are about to append join this batch (one scheduler yield, no
+            # sleep). Only while other threads are framing too: a caller alone gains nothing
+            # from it, and on a busy machine the yield can hand the core to another process.
+            self._cv.release()
+            os.sched_yield()
+            self._cv.acquire()
         batch, last, offset, fd = self._pending, self._next_seq - 1, self._offset, self._fd
         self._pending = []
         if self._switch_at is not None and last > self._switch_at:
