@@ -257,6 +257,9 @@ class Coordinator:
         # docs/GC.md "Queue adoption": publications taken over by durable calls whose staging
         # has not yet been ended in the catalog (recorded with the next catalog write).
         self._adopted = Adoption()
+        #: Adoptions of calls that became durable, handed over without taking the lock again
+        #: (deque appends are atomic); merged into ``_adopted`` by the next locked catalog write.
+        self._handed: collections.deque[Adoption] = collections.deque()
         try:
             owned = store._owner_packs(self._gc_owner)
             self._registered = owned is not None
@@ -542,8 +545,7 @@ class Coordinator:
                 reply = self._last_reply
         self._wait_durable(seq)
         if adopted and not isinstance(result, Answer):
-            with self._lock:
-                self._adopted.update(adopted)
+            self._handed.append(adopted)  # G6.1: durable now; the next catalog frame ends its staging
         return reply
 
     def _journal_locked(self, event: Event) -> int:
@@ -577,7 +579,7 @@ class Coordinator:
         them. Pending adoptions ride along in the same catalog frame; when there are many and
         no frame is due, they get one of their own (a failure here has journaled nothing)."""
         new = packs - self._owned
-        adopted = self._adopted
+        adopted = self._take_handed()
         if new:
             self.store._own(self._gc_owner, new, replace=False, adopted=adopted)
             self._owned |= new
@@ -586,6 +588,13 @@ class Coordinator:
         else:
             return
         self._adopted = Adoption()
+
+    def _take_handed(self) -> Adoption:
+        """The pending adoptions with those of every call handed over since (lock held)."""
+        adopted, handed = self._adopted, self._handed
+        while handed:
+            adopted.update(handed.popleft())
+        return adopted
 
     def _query(self, read: Callable[[], Any]) -> Any:
         """Answer from the state, once everything it may reflect is durable. A coordinator that
@@ -1355,7 +1364,7 @@ class Coordinator:
             refs = [RecordSetRef.from_dict(d) for d in unknown]
             packs |= known | self.store.reach(refs)
             # Pending adoptions end with the same frame: from here on only owners keep those.
-            self.store._own(self._gc_owner, packs, replace=True, adopted=self._adopted)
+            self.store._own(self._gc_owner, packs, replace=True, adopted=self._take_handed())
             self._owned = set(packs)
             self._adopted = Adoption()
         if seq is not None:
@@ -1465,7 +1474,7 @@ class Coordinator:
                 ):
                     self._snapshot_locked()
                 # Adoptions whose staging is not yet ended in the catalog (they were durable).
-                self.store._end_staging(self._adopted)
+                self.store._end_staging(self._take_handed())
                 self._adopted = Adoption()
             except OSError as error:
                 # The journal holds every acknowledged call whatever the snapshot's fate (J5):

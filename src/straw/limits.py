@@ -203,6 +203,11 @@ CATALOG_PREALLOC_BYTES = 64 * KiB
 #: kernel, so a caller waits about one sync instead of one and a half.
 JOURNAL_SYNCS_IN_FLIGHT = 2
 
+#: Frames the same thread may frame in a row, after another thread framed one, before the
+#: group-commit leader stops yielding to let others join its batch (J2.2): a lone caller
+#: (one worker, a Ray actor) then commits without a scheduler yield per call.
+JOURNAL_COMPANY_APPENDS = 8
+
 #: Publications a coordinator may have taken over before it records the end of their
 #: staging in the catalog (docs/GC.md "Queue adoption"). Until then the queue's own owner
 #: keeps them, so the delay changes nothing a collector decides; the bound keeps the

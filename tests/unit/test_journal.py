@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import struct
 import threading
@@ -32,7 +33,7 @@ from straw._journal.log import Journal
 from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
-from straw.limits import JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
+from straw.limits import JOURNAL_COMPANY_APPENDS, JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
 from straw.protocol import TaskSpec, decode, encode
 
 TAG = frame.identity_tag("run-journal", "rollout")
@@ -719,6 +720,115 @@ def test_i8_group_commit_shares_syncs_and_returns_only_when_durable(tmp_path: Pa
     assert sorted(body for _, body in applied) == sorted(
         f"thread-{n}".encode().ljust(size, b".") for n in range(threads_n)
     )
+
+
+class _Watched(dict[str, int]):
+    """Journal metrics that tell a test each time a counter moves (no polling, no sleeps)."""
+
+    def __init__(self, initial: dict[str, int]) -> None:
+        super().__init__(initial)
+        self.changed = threading.Condition()
+
+    def __setitem__(self, key: str, value: int) -> None:
+        with self.changed:
+            super().__setitem__(key, value)
+            self.changed.notify_all()
+
+    def reach(self, key: str, value: int) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self.get(key, 0) >= value, 30)
+
+
+def test_j2_a_sync_wakes_only_the_callers_it_made_durable(tmp_path: Path) -> None:
+    """Each waiter sleeps on its own: a sync wakes the callers whose frames it made durable, and a
+    batch that may start wakes one caller to lead it; nobody else wakes only to sleep again."""
+    backend = FilesystemBackend(tmp_path)
+    journal = open_journal(tmp_path, backend=backend)
+    journal.start_segment()
+    metrics = journal.metrics = _Watched(journal.metrics)
+    gates = [threading.Event(), threading.Event()]  # the first two syncs are held
+    entered = [threading.Event(), threading.Event()]
+    real_sync = backend.sync_file
+    calls = [0]
+
+    def sync_file(fd: int) -> None:
+        number = calls[0]
+        calls[0] += 1
+        if number < len(gates):
+            entered[number].set()
+            assert gates[number].wait(30), "the test never released this sync"
+        real_sync(fd)
+
+    backend.sync_file = sync_file  # type: ignore[method-assign]
+    errors: list[str] = []
+
+    def caller(body: bytes) -> threading.Thread:
+        def run() -> None:
+            try:
+                journal.wait(journal.append(body))
+            except BaseException as error:  # pragma: no cover - reported below
+                errors.append(repr(error))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    pool = [caller(b"a")]  # leads batch 1, whose sync is held
+    assert entered[0].wait(30)
+    pool.append(caller(b"b"))  # leads batch 2 beside it (JOURNAL_SYNCS_IN_FLIGHT), held too
+    assert entered[1].wait(30)
+    assert JOURNAL_SYNCS_IN_FLIGHT == 2
+    pool += [caller(body) for body in (b"c", b"d", b"e")]  # no batch may start: all three sleep
+    assert metrics.reach("sleeps", 3)
+    # Batch 2's sync returns: nothing is durable yet (batch 1 is not), so only the first caller
+    # whose frame is unwritten wakes, to lead batch 3 (c, d, e). It and b then sleep until batch 1.
+    gates[1].set()
+    assert metrics.reach("sleeps", 5) and metrics.reach("syncs", 2)
+    assert journal._durable == 0 and all(thread.is_alive() for thread in pool)
+    gates[0].set()
+    for thread in pool:
+        thread.join(30)
+    assert errors == [] and not any(thread.is_alive() for thread in pool)
+    # d and e slept once each: the syncs of batches 2 and 3 and the writes before them woke
+    # nobody whose frame they had not made durable (a broadcast would have woken them each time).
+    assert metrics["syncs"] == 3 and metrics["sleeps"] == 5
+    journal.close()
+    applied, _, _ = replay(tmp_path)
+    assert sorted(body for _, body in applied) == [b"a", b"b", b"c", b"d", b"e"]
+
+
+def test_j2_the_leader_yields_only_while_other_threads_frame_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone caller commits without a scheduler yield; once another thread frames, the leader
+    yields (so callers about to append may join) for the next JOURNAL_COMPANY_APPENDS frames."""
+    yields = [0]
+    real_yield = os.sched_yield
+
+    def counted() -> None:
+        yields[0] += 1
+        real_yield()
+
+    monkeypatch.setattr(os, "sched_yield", counted)
+    journal = open_journal(tmp_path)
+    journal.start_segment()
+
+    def commit(body: bytes) -> None:
+        journal.wait(journal.append(body))
+
+    for body in bodies(20):
+        commit(body)
+    assert yields[0] == 0
+    other = threading.Thread(target=commit, args=(b"from another thread",))
+    other.start()
+    other.join(30)
+    assert yields[0] == 1  # that thread framed after this one: company, so its leader yielded
+    for body in bodies(2 * JOURNAL_COMPANY_APPENDS):
+        commit(body)
+    assert yields[0] == 1 + JOURNAL_COMPANY_APPENDS  # then alone again: no more yields
+    journal.close()
+    applied, _, _ = replay(tmp_path)
+    assert len(applied) == 21 + 2 * JOURNAL_COMPANY_APPENDS
 
 
 def test_j3_a_failed_journal_write_stops_the_journal(tmp_path: Path) -> None:

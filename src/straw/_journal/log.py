@@ -8,7 +8,11 @@ docs/DURABILITY.md steps J1-J5. Layout under the queue directory::
 Appends are group-committed: callers frame their transaction in sequence order
 (under the coordinator's lock), then wait; one of the waiters writes every
 pending frame with one vectored write and one ``fdatasync`` and wakes the rest.
-A caller returns only when its own frame is durable (J2).
+A caller returns only when its own frame is durable (J2). Each waiter sleeps on a
+lock of its own: a sync wakes exactly the callers whose frames it made durable, and
+a batch that can start wakes one caller to lead it, so no thread wakes only to find
+its frame still in flight and sleep again (under the GIL, each such wake-up costs
+every other thread a hand-over).
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from typing import Any
 from .._fs import durable, posix
 from ..backend import FilesystemBackend
 from ..errors import UnsafeRecovery, invariant
-from ..limits import JOURNAL_PREALLOC_BYTES, JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
+from ..limits import (
+    JOURNAL_COMPANY_APPENDS,
+    JOURNAL_PREALLOC_BYTES,
+    JOURNAL_SYNCS_IN_FLIGHT,
+    LOG_CLOSE_ZEROS,
+)
 from . import frame, scan
 from .scan import SNAP_DIR, WAL_DIR
 
@@ -59,7 +68,10 @@ class Journal:
         self.tag = tag
         self.wal = os.path.join(directory, WAL_DIR)
         self.snap = os.path.join(directory, SNAP_DIR)
-        self._cv = threading.Condition()
+        self._cv = threading.Condition()  # guards everything below; its waiters: _quiesce, switch
+        #: Callers of :meth:`wait` asleep until their frame is durable or they may lead a
+        #: batch, as [seq, lock held until woken]; ``_wake_locked`` releases exactly those.
+        self._waiters: list[list[Any]] = []
         self._fd = -1
         self._offset = 0
         self._next_seq = 1
@@ -69,6 +81,10 @@ class Journal:
         self._written = 0  # the last frame written to the file (durable once a later sync returns)
         self._pending: list[bytes] = []
         self._writing = False  # one batch is written at a time, in sequence order
+        #: The thread that framed the last frame, and how many more frames count as "others
+        #: are about" since a different thread framed one (the group-commit yield, J2.2).
+        self._appender = 0
+        self._company = 0
         self._syncing = 0  # syncs in flight (at most JOURNAL_SYNCS_IN_FLIGHT)
         # Written batches in order, as [last seq, end offset, synced]: one is durable only once
         # it and every batch before it synced (A3: a later sync proves nothing about earlier bytes).
@@ -86,7 +102,9 @@ class Journal:
         #: segment exists, so it never again looks like a newest segment (J7).
         self._replayed_end: tuple[str, int] | None = None
         self.walked: scan.JournalWalk | None = None
-        self.metrics = {"appends": 0, "syncs": 0, "batches": 0, "snapshots": 0}
+        #: ``sleeps``: times a caller of :meth:`wait` slept (once per frame another caller's
+        #: batch makes durable; more only when a batch it could lead had to wait for another).
+        self.metrics = {"appends": 0, "syncs": 0, "batches": 0, "snapshots": 0, "sleeps": 0}
 
     # -- layout ---------------------------------------------------------------------
 
@@ -294,6 +312,13 @@ class Journal:
         with self._cv:
             self._check_failed()
             seq = self._next_seq
+            ident = threading.get_ident()
+            if ident != self._appender:
+                # Another thread framed the last frame (none did before the first one).
+                self._company = JOURNAL_COMPANY_APPENDS if self._appender else 0
+                self._appender = ident
+            elif self._company:
+                self._company -= 1
             header, self._chain = frame.encode_frame(seq, self._chain, body, self._durable)
             self._pending += (header, body)
             self._next_seq = seq + 1
@@ -313,18 +338,51 @@ class Journal:
         with self._cv:
             while self._durable < seq:
                 self._check_failed()
-                # While a switch is pending, only the frames up to its point may be written
-                # here; the ones after it wait for the next segment (J5.2).
-                switching = self._switch_at is not None and self._written >= self._switch_at
-                if (
-                    seq > self._written
-                    and not self._writing
-                    and not switching
-                    and self._syncing < JOURNAL_SYNCS_IN_FLIGHT
-                ):
+                if seq > self._written and self._may_flush():
                     self._flush_locked()
-                else:
-                    self._cv.wait()
+                    continue
+                # Asleep until _wake_locked releases this lock: once the frame is durable, the
+                # journal failed, or a batch may start that this caller is the first to need.
+                woken = threading.Lock()
+                woken.acquire()
+                self._waiters.append([seq, woken])
+                self.metrics["sleeps"] += 1
+                self._cv.release()
+                try:
+                    woken.acquire()
+                finally:
+                    self._cv.acquire()
+
+    def _may_flush(self) -> bool:
+        """Whether a batch may be written now (``_cv`` held). While a switch is pending, only the
+        frames up to its point may be written here; the ones after it wait for the next segment (J5.2)."""
+        switching = self._switch_at is not None and self._written >= self._switch_at
+        return not self._writing and not switching and self._syncing < JOURNAL_SYNCS_IN_FLIGHT
+
+    def _wake_locked(self) -> None:
+        """Wake the waiters that can go on (``_cv`` held): every one whose frame is durable (all of
+        them once the journal failed), and, when a batch may start, the first one whose frame is
+        not yet written, to lead it. The rest sleep on: nothing they wait for has happened."""
+        waiters = self._waiters
+        if not waiters:
+            return
+        durable, failed = self._durable, self._failed is not None
+        keep: list[list[Any]] = []
+        leader: list[Any] | None = None
+        may_lead = not failed and self._pending and self._may_flush()
+        for entry in waiters:
+            seq = entry[0]
+            if failed or seq <= durable:
+                entry[1].release()
+            elif may_lead and seq > self._written and (leader is None or seq < leader[0]):
+                if leader is not None:
+                    keep.append(leader)
+                leader = entry
+            else:
+                keep.append(entry)
+        if leader is not None:
+            leader[1].release()
+        self._waiters = keep
 
     def _flush_locked(self) -> None:
         """J2.2 for one batch: write the pending frames, then sync them (the caller holds ``_cv``).
@@ -335,10 +393,13 @@ class Journal:
         batch fails nothing after it is acknowledged (A3, J3).
         """
         self._writing = True
-        # Let threads that are about to append join this batch (one scheduler yield, no sleep).
-        self._cv.release()
-        os.sched_yield()
-        self._cv.acquire()
+        if self._company or self._waiters:
+            # Let threads that are about to append join this batch (one scheduler yield, no
+            # sleep). Only while other threads are framing too: a caller alone gains nothing
+            # from it, and on a busy machine the yield can hand the core to another process.
+            self._cv.release()
+            os.sched_yield()
+            self._cv.acquire()
         batch, last, offset, fd = self._pending, self._next_seq - 1, self._offset, self._fd
         self._pending = []
         if self._switch_at is not None and last > self._switch_at:
@@ -361,10 +422,12 @@ class Journal:
             self.bytes_since_snapshot += written
             self._syncing += 1
             self._inflight.append(entry)
-        if error is not None or self._pending:
-            # Frames queued during the write may lead the next batch now (J2.4); waiters whose
-            # frames were just written need this batch's sync, so they are woken after it.
-            self._cv.notify_all()
+        if error is not None:
+            self._failed = error  # J3, before anyone is woken: no waiter may lead another batch
+        # Frames queued during the write may lead the next batch now (J2.4); waiters whose
+        # frames were just written need this batch's sync, so they are woken after it.
+        self._wake_locked()
+        self._cv.notify_all()  # _quiesce and switch wait for the writer role to be free
         if error is None:
             self._cv.release()
             synced = False
@@ -383,10 +446,13 @@ class Journal:
                 while self._inflight and self._inflight[0][2] and self._failed is None:
                     done_last, done_end, _ = self._inflight.popleft()
                     self._durable, self._durable_end = done_last, done_end
+                if error is not None:
+                    self._failed = self._failed or error  # J3, before anyone is woken
+                self._wake_locked()
                 self._cv.notify_all()
         if error is not None:
             # J3: after a failed journal write or sync the file's state is unknown; stop (fail-stop).
-            self._failed = error
+            self._failed = self._failed or error
             raise error
         self.metrics["syncs"] += 1
         self.metrics["batches"] += 1
@@ -457,6 +523,7 @@ class Journal:
         except BaseException as error:
             with self._cv:
                 self._failed = self._failed or error
+                self._wake_locked()
                 self._cv.notify_all()
             raise
         first, created = at + 1, False
@@ -481,6 +548,7 @@ class Journal:
             with self._cv:
                 self._writing = False
                 self._switch_at = None
+                self._wake_locked()  # frames after the switch point may lead a batch now
                 self._cv.notify_all()
 
     def _visible(self, first: int) -> bool:
