@@ -16,6 +16,7 @@ from .._catalog.state import queue_owner
 from .._fs import posix
 from .._journal import frame as journal_frame
 from .._journal import history_io, scan
+from .._queue import events
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
 from .._queue.progress import acknowledged
 from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
@@ -171,14 +172,14 @@ def _replay(view: QueueView, root: str) -> None:
             recorded = data.get("identity") if isinstance(data, dict) else None
             state = state_from_dict(data, limits, history_io.opener(os.path.join(root, view.directory)))
         for seq, body in view.journal.frames:
-            event = decode(body)
+            event = events.decode(body)
             state.apply(event)
-            if isinstance(event, dict) and event.get("op") == "epoch" and "identity" in event:
-                recorded = event["identity"]
-            if isinstance(event, dict) and event.get("op") == "acquire":
-                for task_id, attempt_id, _ in event["grants"]:
-                    view.granted[(task_id, attempt_id)] = (seq, float(event["deadline"]))
-                view.newest_deadline = float(event["deadline"])
+            if isinstance(event, events.Epoch) and event.identity is not None:
+                recorded = event.identity
+            if isinstance(event, events.Acquire):
+                for task_id, attempt_id, _ in event.grants:
+                    view.granted[(task_id, attempt_id)] = (seq, float(event.deadline))
+                view.newest_deadline = float(event.deadline)
     except Exception as error:
         view.problems.append(
             (

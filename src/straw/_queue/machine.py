@@ -20,7 +20,7 @@ import gc
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ..errors import (
     CorruptData,
@@ -36,25 +36,21 @@ from ..errors import (
     invariant,
 )
 from ..limits import TASK_METADATA_BYTES_MAX
-from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
+from ..protocol import AcquireStatus, Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
+from . import events as ev
 from .commits import CommitLog
+from .events import Answer as Answer  # re-exported: the event types live in ``events``
+from .events import Event as Event
+from .events import Receipt
 from .history import History, HistoryFile, Opener, open_files
 from .index import Key, PendingIndex, pending_key
 
-Event = dict[str, Any]
 NewId = Callable[[], str]
 #: One entry of ``complete_tasks``: lease, submission id, result, its digest, the packs it reaches.
 Completion = tuple[Lease, str, RecordSetRef, str, Iterable[str]]
 #: What ``check_complete_many`` plans for an entry: its known receipt, or its place in the event.
 Planned = tuple[str, Any]
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A check's reply that needs no event: an idempotent repeat or a status (nothing to journal)."""
-
-    value: Any
 
 
 PENDING, LEASED, COMPLETED, FAILED, CANCELLED = "pending", "leased", "completed", "failed", "cancelled"
@@ -360,10 +356,8 @@ class QueueState:
             raise IdempotencyConflict(f"request id {request_id!r} was already used for a different request")
         return True, seen
 
-    def _remember(self, event: Event, reply: R) -> R:
-        request_id = event.get("request_id")
-        if request_id is not None:
-            self.requests[request_id] = (event["fingerprint"], reply)
+    def _remember(self, request_id: str, fingerprint: str, reply: R) -> R:
+        self.requests[request_id] = (fingerprint, reply)
         return reply
 
     def task(self, task_id: str) -> Task:
@@ -418,7 +412,7 @@ class QueueState:
         tasks: Sequence[TaskSpec],
         producer_id: str | None,
         producer_state: Any,
-    ) -> Event | Answer:
+    ) -> ev.Submit | Answer[list[str]]:
         specs = list(tasks)
         for spec in specs:
             if not isinstance(spec, TaskSpec):
@@ -443,40 +437,38 @@ class QueueState:
                 )
         if self.sealed and specs:
             raise ValueError("input is sealed (seal_input was called); no new tasks are accepted")
-        return {
-            "op": "submit",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "refs": refs,
-            "tasks": rows,
-            "producer_id": producer_id,
-            "producer_state": producer_state,
-            # Not journaled (keys starting with "_" are live-only): the checked specs themselves,
-            # so applying live does not rebuild what replay must rebuild from "tasks". A spec
-            # with metadata gets our own copy: the caller may mutate its dict later.
-            "_specs": [
+        return ev.Submit(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            refs=refs,
+            tasks=rows,
+            producer_id=producer_id,
+            producer_state=producer_state,
+            # Live only (never journaled): the checked specs. A spec with metadata gets our
+            # own copy: the caller may mutate its dict later.
+            specs=[
                 spec
                 if not spec.metadata
                 else dataclasses.replace(spec, metadata=copy.deepcopy(spec.metadata))
                 for spec in specs
             ],
-        }
+        )
 
-    def _apply_submit(self, event: Event) -> list[str]:
+    def _apply_submit(self, event: ev.Submit) -> list[str]:
         ids = []
-        specs = event.get("_specs")
+        specs = event.specs
         if specs is None:
-            specs = _expand_specs(event["refs"], event["tasks"])
+            specs = _expand_specs(event.refs, event.tasks)
         for spec in specs:
-            task = Task(spec, event["request_id"])
+            task = Task(spec, event.request_id)
             self.tasks[spec.task_id] = task
             self.unfinished.add(spec.task_id)
             self.counts[PENDING] += 1
             self._enqueue(task)
             ids.append(spec.task_id)
-        if event["producer_id"] is not None:
-            self.producers[event["producer_id"]] = event["producer_state"]
-        return self._remember(event, ids)
+        if event.producer_id is not None:
+            self.producers[event.producer_id] = event.producer_state
+        return self._remember(event.request_id, event.fingerprint, ids)
 
     # ------------------------------------------------------------------ acquire and leases
 
@@ -531,7 +523,7 @@ class QueueState:
         now: float,
         lease_seconds: float,
         new_id: NewId,
-    ) -> Event | Answer:
+    ) -> ev.Acquire | Answer[list[Lease] | AcquireStatus]:
         """An acquire event, or the status string when nothing can be handed out."""
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
@@ -565,27 +557,23 @@ class QueueState:
         if not chosen and not reclaimed:
             return Answer(self._idle_status())
         grants = [[t, new_id(), new_id()] for t in chosen]
-        return {
-            "op": "acquire",
-            "worker_id": worker_id,
-            "reclaimed": reclaimed,
-            "grants": grants,
-            "deadline": now + lease_seconds,
-        }
+        return ev.Acquire(
+            worker_id=worker_id, reclaimed=reclaimed, grants=grants, deadline=now + lease_seconds
+        )
 
     def drained_input(self) -> bool:
         """Sealed, and nothing pending (control tasks included) or leased."""
         return self.sealed and not len(self.pending) and not len(self.control) and not self.counts[LEASED]
 
-    def _idle_status(self) -> str:
+    def _idle_status(self) -> AcquireStatus:
         if self.drained_input():
             return "end_of_input"
         return "empty"
 
-    def _apply_acquire(self, event: Event) -> list[Lease]:
-        self._reclaim(event["reclaimed"], "lease expired")
+    def _apply_acquire(self, event: ev.Acquire) -> list[Lease]:
+        self._reclaim(event.reclaimed, "lease expired")
         leases = []
-        for task_id, attempt_id, token in event["grants"]:
+        for task_id, attempt_id, token in event.grants:
             task = self.tasks[task_id]
             self._move(task, "acquire", LEASED)  # checks the transition before touching the index
             self._dequeue(task)
@@ -598,9 +586,9 @@ class QueueState:
                 generation=task.generation,
                 coordinator_epoch=self.epoch,
                 token=token,
-                worker_id=event["worker_id"],
+                worker_id=event.worker_id,
             )
-            task.deadline = event["deadline"]
+            task.deadline = event.deadline
             heapq.heappush(self.expiry, (task.deadline, task_id, attempt_id))
             if task.spec.input_ref is not None:
                 self.reads[(task_id, attempt_id)] = task.lease
@@ -650,7 +638,7 @@ class QueueState:
 
     def precheck_complete(
         self, lease: Lease, submission_id: str, result_ref: RecordSetRef, result_digest: str, now: float
-    ) -> Answer | None:
+    ) -> Answer[Receipt] | None:
         """The cheap part of :meth:`check_complete`: a known submission's receipt, or the first error."""
         position = self.position_of(submission_id)
         if position is not None:
@@ -675,7 +663,7 @@ class QueueState:
         now: float,
         new_id: NewId,
         packs: Iterable[str] = (),
-    ) -> Event | Answer:
+    ) -> ev.Complete | Answer[Receipt]:
         """A complete event, or the original receipt of a retried submission.
 
         ``packs`` are the packs the result reaches (the shell computed them while
@@ -691,40 +679,39 @@ class QueueState:
         task = self.current(lease, now)
         if result_ref.records == 0 and not task.spec.allow_empty:
             raise ValueError(f"task {lease.task_id!r} does not allow an empty result (allow_empty=False)")
-        return {
-            "op": "complete",
-            "task_id": lease.task_id,
-            "attempt_id": lease.attempt_id,
-            "submission_id": submission_id,
-            "commit_id": new_id(),
-            "digest": result_digest,
-            "result_ref": as_dict(result_ref),
-            "packs": sorted(packs),
-        }
+        return ev.Complete(
+            task_id=lease.task_id,
+            attempt_id=lease.attempt_id,
+            submission_id=submission_id,
+            commit_id=new_id(),
+            digest=result_digest,
+            result_ref=as_dict(result_ref),
+            packs=sorted(packs),
+        )
 
-    def _apply_complete(self, event: Event) -> dict[str, Any]:
-        task = self.tasks[event["task_id"]]
-        invariant(task.lease is not None and task.lease.attempt_id == event["attempt_id"], "completing lease")
+    def _apply_complete(self, event: ev.Complete) -> Receipt:
+        task = self.tasks[event.task_id]
+        invariant(task.lease is not None and task.lease.attempt_id == event.attempt_id, "completing lease")
         self._move(task, "complete", COMPLETED)
-        self._end_read((event["task_id"], event["attempt_id"]))
-        receipt = {
-            "commit_id": event["commit_id"],
-            "task_id": event["task_id"],
-            "submission_id": event["submission_id"],
-            "digest": event["digest"],
+        self._end_read((event.task_id, event.attempt_id))
+        receipt: Receipt = {
+            "commit_id": event.commit_id,
+            "task_id": event.task_id,
+            "submission_id": event.submission_id,
+            "digest": event.digest,
             "position": len(self.commits),
-            "result_ref": event["result_ref"],
+            "result_ref": event.result_ref,
         }
         self.commits.append(receipt)
         self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
-        self.commit_packs.append(list(event.get("packs", ())))
-        self.submissions[event["submission_id"]] = receipt["position"]
+        self.commit_packs.append(list(event.packs or ()))
+        self.submissions[event.submission_id] = receipt["position"]
         self._prune_expiry()
         return receipt
 
     def check_complete_many(
         self, entries: Sequence[Completion], now: float, new_id: NewId, *, precheck: bool = False
-    ) -> tuple[Event | None, list[Planned]]:
+    ) -> tuple[ev.CompleteMany | None, list[Planned]]:
         """``complete_tasks``: each entry checked exactly as :meth:`check_complete` would, in order,
         as if the earlier entries had been applied; the first error raises and nothing is done.
 
@@ -735,7 +722,8 @@ class QueueState:
         :meth:`precheck_complete` run (before the results are validated) and no event is made.
         """
         plans: list[Planned] = []
-        completes: list[Event] = []
+        completes: list[ev.Complete] = []
+        new = 0  # entries planned as new (with ``precheck``, no event is made for them yet)
         fresh: dict[str, tuple[int, str, str]] = {}  # submission id -> (k, task id, digest)
         taken: set[str] = set()  # tasks completed by an earlier entry of this batch
         for number, entry in enumerate(entries):
@@ -755,7 +743,7 @@ class QueueState:
                         f"task {lease.task_id!r} is completed by an earlier entry of this batch; "
                         f"attempt {lease.attempt_id!r} is no longer current"
                     )
-                found: Event | Answer | None
+                found: ev.Complete | Answer[Receipt] | None
                 if precheck:
                     found = self.precheck_complete(lease, submission_id, result_ref, result_digest, now)
                 else:
@@ -768,54 +756,54 @@ class QueueState:
             if isinstance(found, Answer):
                 plans.append(("known", found.value))
                 continue
-            if found is None:
-                found = {}  # a precheck: the entry is new, its event is made after validation
-            found.pop("op", None)
-            fresh[submission_id] = (len(completes), lease.task_id, result_digest)
+            if found is not None:  # None: a precheck (the event is made after validation)
+                completes.append(found)
+            fresh[submission_id] = (new, lease.task_id, result_digest)
             taken.add(lease.task_id)
-            plans.append(("new", len(completes)))
-            completes.append(found)
-        event = {"op": "complete_many", "completes": completes} if completes and not precheck else None
+            plans.append(("new", new))
+            new += 1
+        event = ev.CompleteMany(completes=completes) if completes and not precheck else None
         return event, plans
 
-    def _apply_complete_many(self, event: Event) -> list[dict[str, Any]]:
+    def _apply_complete_many(self, event: ev.CompleteMany) -> list[Receipt]:
         """The completions of one ``complete_tasks`` transaction, in order (their receipts)."""
-        return [self._apply_complete(item) for item in event["completes"]]
+        return [self._apply_complete(item) for item in event.completes]
 
     # ------------------------------------------------------------------ returning work
 
     def check_fail(
         self, lease: Lease, request_id: str, failure: str, retryable: bool, now: float
-    ) -> Event | Answer:
+    ) -> ev.Fail | Answer[str]:
         fingerprint = digest(["fail", lease.task_id, lease.attempt_id, str(failure), bool(retryable)])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(str(reply[1]))
         self.current(lease, now)
-        return {
-            "op": "fail",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "task_id": lease.task_id,
-            "attempt_id": lease.attempt_id,
-            "failure": str(failure),
-            "retryable": bool(retryable),
-        }
+        return ev.Fail(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            task_id=lease.task_id,
+            attempt_id=lease.attempt_id,
+            failure=str(failure),
+            retryable=bool(retryable),
+        )
 
-    def _apply_fail(self, event: Event) -> str:
-        task = self.tasks[event["task_id"]]
+    def _apply_fail(self, event: ev.Fail) -> str:
+        task = self.tasks[event.task_id]
         task.failures += 1
-        task.failure = event["failure"]
-        self._end_read((event["task_id"], event["attempt_id"]))
-        if not event["retryable"] or task.failures >= task.spec.max_attempts:
+        task.failure = event.failure
+        self._end_read((event.task_id, event.attempt_id))
+        if not event.retryable or task.failures >= task.spec.max_attempts:
             self._move(task, "fail", FAILED)
         else:
             self._move(task, "fail", PENDING)
             self._enqueue(task)
         self._prune_expiry()
-        return self._remember(event, task.state)
+        return self._remember(event.request_id, event.fingerprint, task.state)
 
-    def check_release(self, leases: Sequence[Lease], request_id: str, now: float) -> Event | Answer:
+    def check_release(
+        self, leases: Sequence[Lease], request_id: str, now: float
+    ) -> ev.Release | Answer[list[str]]:
         leases = list(leases)
         pairs = self._lease_pairs(leases)
         if len({tuple(p) for p in pairs}) != len(pairs):
@@ -831,16 +819,15 @@ class QueueState:
                 outcomes.append("released")
             except (StaleAttempt, InvalidReference):
                 outcomes.append("StaleAttempt")
-        return {
-            "op": "release",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "leases": self._lease_pairs(leases),
-            "outcomes": outcomes,
-        }
+        return ev.Release(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            leases=self._lease_pairs(leases),
+            outcomes=outcomes,
+        )
 
-    def _apply_release(self, event: Event) -> list[str]:
-        for (task_id, attempt_id), outcome in zip(event["leases"], event["outcomes"], strict=True):
+    def _apply_release(self, event: ev.Release) -> list[str]:
+        for (task_id, attempt_id), outcome in zip(event.leases, event.outcomes, strict=True):
             if outcome != "released":
                 continue
             task = self.tasks[task_id]
@@ -848,11 +835,11 @@ class QueueState:
             self._move(task, "release", PENDING)
             self._enqueue(task)
         self._prune_expiry()
-        return self._remember(event, list(event["outcomes"]))
+        return self._remember(event.request_id, event.fingerprint, list(event.outcomes))
 
     def check_yield(
         self, updates: Sequence[Mapping[str, Any]], request_id: str, now: float
-    ) -> Event | Answer:
+    ) -> ev.Yield | Answer[list[str]]:
         """All-or-nothing: every lease must be current (expired leases may still yield)."""
         normal = []
         for update in updates:
@@ -879,21 +866,21 @@ class QueueState:
             _check_task_metadata(_replace_spec(task.spec, item))  # validates priority and metadata
         if len({item["task_id"] for item in normal}) != len(normal):
             raise ValueError("yield_tasks got the same task twice")
-        return {"op": "yield", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
+        return ev.Yield(request_id=request_id, fingerprint=fingerprint, updates=normal)
 
-    def _apply_yield(self, event: Event) -> list[str]:
-        for item in event["updates"]:
+    def _apply_yield(self, event: ev.Yield) -> list[str]:
+        for item in event.updates:
             task = self.tasks[item["task_id"]]
             self._end_read((item["task_id"], item["attempt_id"]))
             task.spec = _replace_spec(task.spec, item)
             self._move(task, "yield", PENDING)
             self._enqueue(task)
         self._prune_expiry()
-        return self._remember(event, [PENDING] * len(event["updates"]))
+        return self._remember(event.request_id, event.fingerprint, [PENDING] * len(event.updates))
 
     def check_progress(
         self, updates: Sequence[Mapping[str, Any]], request_id: str, now: float
-    ) -> Event | Answer:
+    ) -> ev.Progress | Answer[list[str]]:
         normal = []
         for update in updates:
             lease, ref = update["lease"], update["input_ref"]
@@ -908,10 +895,10 @@ class QueueState:
             return Answer(list(reply[1]))
         for update in updates:
             self.current(update["lease"], now)
-        return {"op": "progress", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
+        return ev.Progress(request_id=request_id, fingerprint=fingerprint, updates=normal)
 
-    def _apply_progress(self, event: Event) -> list[str]:
-        for item in event["updates"]:
+    def _apply_progress(self, event: ev.Progress) -> list[str]:
+        for item in event.updates:
             task = self.tasks[item["task_id"]]
             self._move(task, "progress", LEASED)
             task.spec = _replace_spec(task.spec, {"input_ref": item["input_ref"]})
@@ -919,78 +906,78 @@ class QueueState:
                 key = (item["task_id"], item["attempt_id"])
                 self.reads[key] = task.lease
                 self.read_inputs.setdefault(key, []).append(item["input_ref"])
-        return self._remember(event, [LEASED] * len(event["updates"]))
+        return self._remember(event.request_id, event.fingerprint, [LEASED] * len(event.updates))
 
-    def check_cancel(self, task_id: str, request_id: str) -> Event | Answer:
+    def check_cancel(self, task_id: str, request_id: str) -> ev.Cancel | Answer[str]:
         fingerprint = digest(["cancel", task_id])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(str(reply[1]))
         if self.find_task(task_id) is None:
             raise KeyError(f"unknown task {task_id!r}")  # changes nothing
-        return {"op": "cancel", "request_id": request_id, "fingerprint": fingerprint, "task_id": task_id}
+        return ev.Cancel(request_id=request_id, fingerprint=fingerprint, task_id=task_id)
 
-    def _apply_cancel(self, event: Event) -> str:
-        task = self.find_task(event["task_id"])
+    def _apply_cancel(self, event: ev.Cancel) -> str:
+        task = self.find_task(event.task_id)
         if task is None:
-            raise CorruptData(f"the journal cancels task {event['task_id']!r}, which the queue never knew")
+            raise CorruptData(f"the journal cancels task {event.task_id!r}, which the queue never knew")
         if task.state == PENDING:
             self._dequeue(task)
             self._move(task, "cancel", CANCELLED)
         elif task.state == LEASED:
             self._move(task, "cancel", CANCELLED)
             self._prune_expiry()
-        return self._remember(event, task.state)
+        return self._remember(event.request_id, event.fingerprint, task.state)
 
-    def check_seal(self, request_id: str) -> Event | Answer:
+    def check_seal(self, request_id: str) -> ev.Seal | Answer[bool]:
         fingerprint = digest(["seal"])
         seen, _ = self._request(request_id, fingerprint)
         if seen:
             return Answer(True)
-        return {"op": "seal", "request_id": request_id, "fingerprint": fingerprint}
+        return ev.Seal(request_id=request_id, fingerprint=fingerprint)
 
-    def _apply_seal(self, event: Event) -> bool:
+    def _apply_seal(self, event: ev.Seal) -> bool:
         self.sealed = True
-        return bool(self._remember(event, True))
+        return self._remember(event.request_id, event.fingerprint, True)
 
-    def _apply_drain(self, event: Event) -> bool:
+    def _apply_drain(self, event: ev.Drain) -> bool:
         self.draining = True
         return True
 
     # ------------------------------------------------------------------ workers and reads
 
-    def check_retire(self, worker_id: str) -> Event:
+    def check_retire(self, worker_id: str) -> ev.Retire:
         leased = [
             [t.spec.task_id, t.lease.attempt_id]
             for t in self.tasks.values()
             if t.state == LEASED and t.lease is not None and t.lease.worker_id == worker_id
         ]
         reads = [list(key) for key, lease in self.reads.items() if lease.worker_id == worker_id]
-        return {"op": "retire", "worker_id": worker_id, "leased": leased, "reads": reads}
+        return ev.Retire(worker_id=worker_id, leased=leased, reads=reads)
 
-    def _apply_retire(self, event: Event) -> list[dict[str, Any]]:
-        self._reclaim(event["leased"], f"worker {event['worker_id']} retired")
-        for task_id, attempt_id in event["reads"]:
+    def _apply_retire(self, event: ev.Retire) -> list[Receipt]:
+        self._reclaim(event.leased, f"worker {event.worker_id} retired")
+        for task_id, attempt_id in event.reads:
             self._end_read((task_id, attempt_id))
-        worker = event["worker_id"]
+        worker = event.worker_id
         on_disk = [p for file in self.history.files for p in file.meta()["workers"].get(worker, ())]
         base = self.commits.base
         in_memory = [p for p, w in enumerate(self.commit_workers, base) if w == worker]
         return [self.commits[p] for p in on_disk + in_memory]
 
-    def check_release_reads(self, leases: Sequence[Lease]) -> Event:
-        return {"op": "release_reads", "reads": self._lease_pairs(list(leases))}
+    def check_release_reads(self, leases: Sequence[Lease]) -> ev.ReleaseReads:
+        return ev.ReleaseReads(reads=self._lease_pairs(list(leases)))
 
-    def _apply_release_reads(self, event: Event) -> int:
+    def _apply_release_reads(self, event: ev.ReleaseReads) -> int:
         released = 0
-        for task_id, attempt_id in event["reads"]:
+        for task_id, attempt_id in event.reads:
             released += self._end_read((task_id, attempt_id))
         return released
 
-    def _apply_epoch(self, event: Event) -> int:
+    def _apply_epoch(self, event: ev.Epoch) -> int:
         """Recovery: a new coordinator epoch revokes every lease (each spends an attempt)."""
-        invariant(event["epoch"] > self.epoch, "epochs only grow")
-        self.epoch = event["epoch"]
+        invariant(event.epoch > self.epoch, "epochs only grow")
+        self.epoch = event.epoch
         leased = [
             [t.spec.task_id, t.lease.attempt_id]
             for t in self.tasks.values()
@@ -1006,7 +993,7 @@ class QueueState:
 
     # ------------------------------------------------------------------ consumers, batches, checkpoints
 
-    def check_open_consumer(self, consumer_id: str, owner: str, token: str) -> Event:
+    def check_open_consumer(self, consumer_id: str, owner: str, token: str) -> ev.OpenConsumer:
         _check_name(consumer_id, "consumer_id")
         _check_name(owner, "exclusive_owner")
         consumer = self.consumers.get(consumer_id)
@@ -1015,13 +1002,13 @@ class QueueState:
                 f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; a second live owner is "
                 "refused: close it, or recover the coordinator once that owner is known to be stopped"
             )
-        return {"op": "open_consumer", "consumer_id": consumer_id, "owner": owner, "token": token}
+        return ev.OpenConsumer(consumer_id=consumer_id, owner=owner, token=token)
 
-    def _apply_open_consumer(self, event: Event) -> str:
-        old = self.consumers.get(event["consumer_id"])
+    def _apply_open_consumer(self, event: ev.OpenConsumer) -> str:
+        old = self.consumers.get(event.consumer_id)
         state = old.state if old is not None else None
-        self.consumers[event["consumer_id"]] = Consumer(event["owner"], event["token"], True, state)
-        return str(event["token"])
+        self.consumers[event.consumer_id] = Consumer(event.owner, event.token, True, state)
+        return event.token
 
     def consumer(self, consumer_id: str, token: str) -> Consumer:
         consumer = self.consumers.get(consumer_id)
@@ -1031,12 +1018,12 @@ class QueueState:
             raise StaleAttempt(f"token of consumer {consumer_id!r} is not current; reopen the consumer")
         return consumer
 
-    def check_close_consumer(self, consumer_id: str, token: str) -> Event:
+    def check_close_consumer(self, consumer_id: str, token: str) -> ev.CloseConsumer:
         self.consumer(consumer_id, token)
-        return {"op": "close_consumer", "consumer_id": consumer_id}
+        return ev.CloseConsumer(consumer_id=consumer_id)
 
-    def _apply_close_consumer(self, event: Event) -> bool:
-        self.consumers[event["consumer_id"]].open = False
+    def _apply_close_consumer(self, event: ev.CloseConsumer) -> bool:
+        self.consumers[event.consumer_id].open = False
         return True
 
     def check_save_consumer(
@@ -1047,7 +1034,7 @@ class QueueState:
         state: dict[str, Any],
         acked: Acked | None = None,
         verified: frozenset[int] = frozenset(),
-    ) -> Event | Answer:
+    ) -> ev.SaveConsumer | Answer[Any]:
         """``acked``: what the new state acknowledges, for the training consumer; ``verified``:
         released positions the caller checked are still readable and owns again (a rewind)."""
         fingerprint = digest(["consumer", consumer_id, state])
@@ -1056,37 +1043,35 @@ class QueueState:
             return Answer(reply[1])
         self.consumer(consumer_id, token)
         _check_cursors(state, len(self.commits))
-        event: Event = {
-            "op": "save_consumer",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "consumer_id": consumer_id,
-            "state": state,
-        }
-        self._rewind_into(event, acked, verified)
-        return event
+        return ev.SaveConsumer(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            consumer_id=consumer_id,
+            state=state,
+            released=self._rewound(acked, verified),
+        )
 
-    def _rewind_into(self, event: Event, acked: Acked | None, verified: frozenset[int]) -> None:
-        """A rewind takes released history back: the event carries the new released set."""
+    def _rewound(self, acked: Acked | None, verified: frozenset[int]) -> ev.Released | None:
+        """A rewind takes released history back: the new released set the event carries."""
         if acked is None:
-            return
+            return None
         back = self.reowned_by(acked)
         missing = [p for p in back if p not in verified]
         if missing:
             raise StorageUnavailable(
                 f"accepted position {missing[0]} was released while this call checked the history; retry"
             )
-        if back:
-            cursor, positions = self.released_after(acked)
-            event["released"] = [cursor, sorted(positions)]
+        if not back:
+            return None
+        cursor, positions = self.released_after(acked)
+        return [cursor, sorted(positions)]
 
-    def _apply_save_consumer(self, event: Event) -> Any:
-        self.consumers[event["consumer_id"]].state = event["state"]
-        self._apply_released(event)
-        return self._remember(event, event["state"])
+    def _apply_save_consumer(self, event: ev.SaveConsumer) -> dict[str, Any]:
+        self.consumers[event.consumer_id].state = event.state
+        self._apply_released(event.released)
+        return self._remember(event.request_id, event.fingerprint, event.state)
 
-    def _apply_released(self, event: Event) -> None:
-        released = event.get("released")
+    def _apply_released(self, released: ev.Released | None) -> None:
         if released is not None:
             self.released_cursor, self.released_positions = int(released[0]), frozenset(released[1])
 
@@ -1124,18 +1109,20 @@ class QueueState:
         back.update(p for p in range(c_a, c_r) if p not in p_a)
         return sorted(back)
 
-    def check_release_history(self, acked: Acked) -> Event | None:
+    def check_release_history(self, acked: Acked) -> ev.ReleaseHistory | None:
         """``collect_garbage`` stops owning what the training consumer acknowledged."""
         cursor, positions = acked
         positions = frozenset(p for p in positions if p >= cursor)
         if (cursor, positions) == (self.released_cursor, self.released_positions):
             return None
-        return {"op": "release_history", "released": [cursor, sorted(positions)]}
+        return ev.ReleaseHistory(released=[cursor, sorted(positions)])
 
-    def _apply_release_history(self, event: Event) -> None:
-        self._apply_released(event)
+    def _apply_release_history(self, event: ev.ReleaseHistory) -> None:
+        self._apply_released(event.released)
 
-    def check_plan_batch(self, consumer_id: str, token: str, batch: dict[str, Any]) -> Event | Answer:
+    def check_plan_batch(
+        self, consumer_id: str, token: str, batch: dict[str, Any]
+    ) -> ev.PlanBatch | Answer[dict[str, Any]]:
         self.consumer(consumer_id, token)
         existing = self.batches.get(batch["batch_id"])
         if existing is not None:
@@ -1147,10 +1134,10 @@ class QueueState:
             not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(self.commits) for p in positions
         ):
             raise ValueError(f"input_positions must name accepted results (0..{len(self.commits) - 1})")
-        return {"op": "plan_batch", "batch": batch}
+        return ev.PlanBatch(batch=batch)
 
-    def _apply_plan_batch(self, event: Event) -> dict[str, Any]:
-        batch = dict(event["batch"], ready=False)
+    def _apply_plan_batch(self, event: ev.PlanBatch) -> dict[str, Any]:
+        batch = dict(event.batch, ready=False)
         self.batches[batch["batch_id"]] = batch
         return batch
 
@@ -1163,7 +1150,7 @@ class QueueState:
         state: dict[str, Any],
         acked: Acked | None = None,
         verified: frozenset[int] = frozenset(),
-    ) -> Event | Answer:
+    ) -> ev.BatchReady | Answer[dict[str, Any]]:
         consumer = self.consumer(consumer_id, token)
         batch = self.batches.get(batch_id)
         if batch is None:
@@ -1175,45 +1162,45 @@ class QueueState:
                 raise IdempotencyConflict(f"batch {batch_id!r} is already ready with another result")
             return Answer({"batch_id": batch_id, "ready_ref": batch["ready_ref"], "state": consumer.state})
         _check_cursors(state, len(self.commits))
-        event: Event = {
-            "op": "batch_ready",
-            "consumer_id": consumer_id,
-            "batch_id": batch_id,
-            "ready_ref": ready_ref,
-            "state": state,
-        }
-        self._rewind_into(event, acked, verified)
-        return event
+        return ev.BatchReady(
+            consumer_id=consumer_id,
+            batch_id=batch_id,
+            ready_ref=ready_ref,
+            state=state,
+            released=self._rewound(acked, verified),
+        )
 
-    def _apply_batch_ready(self, event: Event) -> dict[str, Any]:
-        batch = self.batches[event["batch_id"]]
+    def _apply_batch_ready(self, event: ev.BatchReady) -> dict[str, Any]:
+        batch = self.batches[event.batch_id]
         batch["ready"] = True
-        batch["ready_ref"] = event["ready_ref"]
-        self.consumers[event["consumer_id"]].state = event["state"]
-        self._apply_released(event)
-        return {"batch_id": event["batch_id"], "ready_ref": event["ready_ref"], "state": event["state"]}
+        batch["ready_ref"] = event.ready_ref
+        self.consumers[event.consumer_id].state = event.state
+        self._apply_released(event.released)
+        return {"batch_id": event.batch_id, "ready_ref": event.ready_ref, "state": event.state}
 
-    def _apply_register_checkpoint(self, event: Event) -> dict[str, Any]:
-        entry = {"checkpoint_id": event["checkpoint_id"], "checkpoint_ref": event["checkpoint_ref"]}
-        if event.get("batch_ids"):
-            entry["batch_ids"] = list(event["batch_ids"])  # what it trained on (accounting only)
-        self.checkpoints[event["checkpoint_id"]] = entry
+    def _apply_register_checkpoint(self, event: ev.RegisterCheckpoint) -> dict[str, Any]:
+        entry: dict[str, Any] = {"checkpoint_id": event.checkpoint_id, "checkpoint_ref": event.checkpoint_ref}
+        if event.batch_ids:
+            entry["batch_ids"] = list(event.batch_ids)  # what it trained on (accounting only)
+        self.checkpoints[event.checkpoint_id] = entry
         return entry
 
-    def _apply_release_checkpoint(self, event: Event) -> bool:
-        return self.checkpoints.pop(event["checkpoint_id"], None) is not None
+    def _apply_release_checkpoint(self, event: ev.ReleaseCheckpoint) -> bool:
+        return self.checkpoints.pop(event.checkpoint_id, None) is not None
 
     # ------------------------------------------------------------------ dispatch
 
-    def apply(self, event: Event) -> Any:
-        """Perform one event (live or replayed). Unknown ops are a bug or a newer journal."""
-        handler = _APPLY.get(event.get("op", ""))
-        invariant(handler is not None, f"event op {event.get('op')!r} is known")
-        reply = handler(self, event)  # type: ignore[misc]
-        reach = event.get("reach")
-        if reach:
-            self.ref_packs.update(reach)
-        return reply
+    def apply(self, event: ev.Op[R]) -> R:
+        """Perform one event (live or replayed); its reply. Events come from a check or from
+        :func:`events.decode`, which refuses unknown ops, so every type has a handler."""
+        handler = _APPLY.get(type(event))
+        if handler is None:
+            invariant(False, f"event type {type(event).__name__} has a handler")
+            return cast(R, None)  # unreachable: invariant raised
+        reply = handler(self, event)
+        if event.reach:
+            self.ref_packs.update(event.reach)
+        return cast(R, reply)
 
     # ------------------------------------------------------------------ GC roots
 
@@ -1363,8 +1350,8 @@ def ref_key(ref: Mapping[str, Any]) -> str:
 
 
 def journal_body(event: Event) -> bytes:
-    """The bytes journaled for an event: canonical JSON without its live-only ``_`` keys."""
-    return encode({k: v for k, v in event.items() if not k.startswith("_")})
+    """The bytes journaled for an event (``events.encode``)."""
+    return ev.encode(event)
 
 
 _SPEC_FIELDS = (
@@ -1590,30 +1577,33 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     return state
 
 
-_APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
-    "submit": QueueState._apply_submit,
-    "acquire": QueueState._apply_acquire,
-    "complete": QueueState._apply_complete,
-    "complete_many": QueueState._apply_complete_many,
-    "fail": QueueState._apply_fail,
-    "release": QueueState._apply_release,
-    "yield": QueueState._apply_yield,
-    "progress": QueueState._apply_progress,
-    "cancel": QueueState._apply_cancel,
-    "seal": QueueState._apply_seal,
-    "drain": QueueState._apply_drain,
-    "retire": QueueState._apply_retire,
-    "release_reads": QueueState._apply_release_reads,
-    "epoch": QueueState._apply_epoch,
-    "open_consumer": QueueState._apply_open_consumer,
-    "close_consumer": QueueState._apply_close_consumer,
-    "save_consumer": QueueState._apply_save_consumer,
-    "plan_batch": QueueState._apply_plan_batch,
-    "batch_ready": QueueState._apply_batch_ready,
-    "register_checkpoint": QueueState._apply_register_checkpoint,
-    "release_checkpoint": QueueState._apply_release_checkpoint,
-    "release_history": QueueState._apply_release_history,
+#: Dispatch by event type. Each handler takes its own event class: the table is what pairs
+#: them, so its value type is erased (``apply`` restores the reply type from the event's).
+_APPLY: dict[type[Event], Callable[[QueueState, Any], object]] = {
+    ev.Submit: QueueState._apply_submit,
+    ev.Acquire: QueueState._apply_acquire,
+    ev.Complete: QueueState._apply_complete,
+    ev.CompleteMany: QueueState._apply_complete_many,
+    ev.Fail: QueueState._apply_fail,
+    ev.Release: QueueState._apply_release,
+    ev.Yield: QueueState._apply_yield,
+    ev.Progress: QueueState._apply_progress,
+    ev.Cancel: QueueState._apply_cancel,
+    ev.Seal: QueueState._apply_seal,
+    ev.Drain: QueueState._apply_drain,
+    ev.Retire: QueueState._apply_retire,
+    ev.ReleaseReads: QueueState._apply_release_reads,
+    ev.Epoch: QueueState._apply_epoch,
+    ev.OpenConsumer: QueueState._apply_open_consumer,
+    ev.CloseConsumer: QueueState._apply_close_consumer,
+    ev.SaveConsumer: QueueState._apply_save_consumer,
+    ev.PlanBatch: QueueState._apply_plan_batch,
+    ev.BatchReady: QueueState._apply_batch_ready,
+    ev.RegisterCheckpoint: QueueState._apply_register_checkpoint,
+    ev.ReleaseCheckpoint: QueueState._apply_release_checkpoint,
+    ev.ReleaseHistory: QueueState._apply_release_history,
 }
+invariant(_APPLY.keys() == set(ev.OPS.values()), "every journal op has a handler")
 
 
 # ---------------------------------------------------------------------- spec helpers
