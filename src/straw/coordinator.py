@@ -34,6 +34,7 @@ from ._journal.log import Journal
 from ._queue import events as ev
 from ._queue import history as history_files
 from ._queue import validate
+from ._queue.ledger import TRAINING as TRAINING  # the consumer whose progress acknowledges
 from ._queue.machine import (
     COMPLETED,
     LEASED,
@@ -87,8 +88,6 @@ __all__ = ["Coordinator"]
 R = TypeVar("R")
 
 IDENTITY_FILE = "queue.json"
-#: The consumer whose progress acknowledges accepted results for GC (API.md section 7).
-TRAINING = "training"
 LOCK_FILE = "LOCK"
 QUEUE_FORMAT = "straw-queue"
 QUEUE_VERSION = 1
@@ -1066,7 +1065,7 @@ class Coordinator:
         def read() -> tuple[list[dict[str, Any]], bool]:
             state = self._state
             page = state.commits[cursor : cursor + limit]
-            released = state.first_released(cursor, cursor + len(page))
+            released = state.ledger.first_released(cursor, cursor + len(page))
             if released is not None:
                 raise InvalidReference(
                     f"accepted position {released} was acknowledged by the training consumer and "
@@ -1099,10 +1098,12 @@ class Coordinator:
         _text(consumer_id, "consumer_id")
         _text(exclusive_owner, "exclusive_owner")
         token = self._new_id()
-        return self._commit(lambda: self._state.check_open_consumer(consumer_id, exclusive_owner, token))
+        return self._commit(
+            lambda: self._state.ledger.check_open_consumer(consumer_id, exclusive_owner, token)
+        )
 
     def close_consumer(self, consumer_id: str, token: str) -> bool:
-        return self._commit(lambda: self._state.check_close_consumer(consumer_id, token))
+        return self._commit(lambda: self._state.ledger.check_close_consumer(consumer_id, token))
 
     def _consumer_state(
         self,
@@ -1168,10 +1169,10 @@ class Coordinator:
         ``progress`` is what a training state acknowledges (None for other consumers).
         Returns that, the positions verified and their packs.
         """
-        if progress is None or not self._query(self._state.has_released):
+        if progress is None or not self._query(self._state.ledger.has_released):
             return None, frozenset(), set()  # nothing was released: nothing to take back
         acked = (progress.cursor, progress.positions)
-        back = self._query(lambda: self._state.reowned_by(acked))
+        back = self._query(lambda: self._state.ledger.reowned_by(acked))
         if not back:
             return acked, frozenset(), set()
         receipts = self._query(lambda: [(self._state.commits[p], self._state.packs_at(p)) for p in back])
@@ -1192,7 +1193,7 @@ class Coordinator:
 
     def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
-            consumer = self._state.consumers.get(consumer_id)
+            consumer = self._state.ledger.consumers.get(consumer_id)
             return dict(consumer.state) if consumer is not None and consumer.state is not None else None
 
         return self._query(read)
@@ -1256,7 +1257,7 @@ class Coordinator:
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
-            batch = self._state.batches.get(batch_id)
+            batch = self._state.ledger.batches.get(batch_id)
             return dict(batch) if batch is not None else None
 
         return self._query(read)
@@ -1270,7 +1271,7 @@ class Coordinator:
         batches = self._checkpointed_batches(checkpoint_ref)
 
         def check() -> ev.RegisterCheckpoint | Answer[dict[str, Any]]:
-            existing = self._state.checkpoints.get(checkpoint_id)
+            existing = self._state.ledger.checkpoints.get(checkpoint_id)
             if existing is not None:
                 if existing["checkpoint_ref"] != ref:
                     raise InvalidReference(
@@ -1301,7 +1302,7 @@ class Coordinator:
         _text(checkpoint_id, "checkpoint_id")
 
         def check() -> ev.ReleaseCheckpoint | Answer[bool]:
-            if checkpoint_id not in self._state.checkpoints:
+            if checkpoint_id not in self._state.ledger.checkpoints:
                 return Answer(False)
             return ev.ReleaseCheckpoint(checkpoint_id=checkpoint_id)
 
@@ -1310,17 +1311,20 @@ class Coordinator:
     # ------------------------------------------------------------------ garbage collection
 
     def _progress(self, state: Mapping[str, Any] | None) -> Acknowledged:
-        """What a ``training`` consumer state acknowledges: its processed_cursor, plus the
-        positions and batches its ``progress_ref`` lists (read from the store)."""
-        progress = state.get("progress_ref") if state is not None else None
-        if progress is None:
-            return acknowledged(state)
-        return acknowledged(state, parse_progress(list(self.store.read(RecordSetRef.from_dict(progress)))))
+        """What a new ``training`` consumer state would acknowledge (``progress.acknowledged``,
+        the rule ``Ledger.acknowledged`` applies to the saved one), its record read here."""
+        return acknowledged(state, self._read_progress(state.get("progress_ref") if state else None))
+
+    def _read_progress(self, ref: Mapping[str, Any] | None) -> tuple[set[int], set[str]]:
+        """The positions and batches a progress record lists (none without one; read from the store)."""
+        if ref is None:
+            return set(), set()
+        return parse_progress(list(self.store.read(RecordSetRef.from_dict(ref))))
 
     def _acknowledgements(self) -> Acknowledged:
         """What the ``training`` consumer processed (lock held: reads the current state)."""
-        consumer = self._state.consumers.get(TRAINING)
-        return self._progress(consumer.state if consumer is not None else None)
+        ledger = self._state.ledger
+        return ledger.acknowledged(self._read_progress(ledger.progress_ref()))
 
     def _usage(self) -> dict[str, Any]:
         """The peer's accounting view (``metrics()["usage_with_reservations"]``): accepted results
@@ -1328,11 +1332,9 @@ class Coordinator:
 
         Diagnostic only: nothing is refused by it (``Limits`` are identity fields, not quotas).
         """
-        consumer_state = self._query(
-            lambda: self._state.consumers[TRAINING].state if TRAINING in self._state.consumers else None
-        )
-        acked = self._progress(consumer_state)
-        return dict(self._query(lambda: self._state.usage(acked.covers, acked.finished)))
+        # The record is read without the lock; what it acknowledges is then judged by the ledger.
+        progress = self._read_progress(self._query(lambda: self._state.ledger.progress_ref()))
+        return self._query(lambda: self._state.usage(self._state.ledger.acknowledged(progress)))
 
     def collect_garbage(self) -> dict[str, Any]:
         """Own exactly this queue's roots in the catalog, then collect the pool (docs/GC.md).
@@ -1346,9 +1348,10 @@ class Coordinator:
             # The history the queue stops owning is journaled as released first (read_commits
             # then names it); the frame need not be durable before the catalog drops it, since
             # losing it only turns that message into a missing-file error.
-            release = self._state.check_release_history((acked.cursor, acked.positions))
+            release = self._state.ledger.check_release_history((acked.cursor, acked.positions))
             seq = self._journal_locked(release)[0] if release is not None else None
-            listed, packs = self._state.roots(acked.covers, acked.finished)
+            roots = self._state.roots(acked)
+            listed, packs = roots.refs, roots.packs
             unknown, known = self._state.known_reach(listed)  # item 12: no reads for these
             refs = [RecordSetRef.from_dict(d) for d in unknown]
             packs |= known | self.store.reach(refs)
@@ -1386,14 +1389,14 @@ class Coordinator:
 
     @property
     def checkpoints(self) -> dict[str, dict[str, Any]]:
-        return dict(self._query(lambda: {k: dict(v) for k, v in self._state.checkpoints.items()}))
+        return dict(self._query(lambda: {k: dict(v) for k, v in self._state.ledger.checkpoints.items()}))
 
     @property
     def consumers(self) -> dict[str, dict[str, Any]]:
         def read() -> dict[str, dict[str, Any]]:
             return {
                 k: {"owner": c.owner, "open": c.open, "state": c.state}
-                for k, c in self._state.consumers.items()
+                for k, c in self._state.ledger.consumers.items()
             }
 
         return dict(self._query(read))

@@ -83,7 +83,7 @@ def _workload() -> dict[str, events.Event]:
     w.lease("t6", "w2")
     w.step(s.check_retire("w2"))
     w.step(s.check_release_reads([t1]))
-    w.step(s.check_open_consumer("training", "trainer", "tok"))
+    w.step(s.ledger.check_open_consumer("training", "trainer", "tok"))
     consumer_state = {"version": 1, "state_ref": as_dict(_ref("6")), "fetch_cursor": 2, "processed_cursor": 1}
     w.step(s.check_save_consumer("training", "tok", "r-save", consumer_state))
     batch = {
@@ -94,8 +94,8 @@ def _workload() -> dict[str, events.Event]:
     }
     w.step(s.check_plan_batch("training", "tok", batch))
     w.step(s.check_batch_ready("training", "tok", "b1", as_dict(_ref("8")), consumer_state))
-    w.step(s.check_release_history((1, frozenset())))
-    w.step(s.check_close_consumer("training", "tok"))
+    w.step(s.ledger.check_release_history((1, frozenset())))
+    w.step(s.ledger.check_close_consumer("training", "tok"))
     # The coordinator's own events (Coordinator.drain, register_checkpoint, release_checkpoint).
     w.step(events.Drain())
     w.step(events.RegisterCheckpoint(checkpoint_id="c1", checkpoint_ref=as_dict(_ref("9")), batch_ids=["b1"]))

@@ -4,7 +4,9 @@
 plain dicts then) with ``tests/fixtures/make_old_queue.py``: every journal op through the
 public Coordinator, then a crash (no snapshot), so reopening replays every frame. Its frames
 are the golden bytes: each one must decode to a typed event that encodes to the very same
-bytes, and the recovered queue must hold what that workload made.
+bytes, replaying them must give the state that straw's snapshot body held (byte for byte:
+``queue-v1-events.state``, the snapshot format is unchanged too), and the recovered queue must
+hold what that workload made.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from straw import Coordinator, SharedFilesystemStore
 from straw._journal import frame as journal_frame
 from straw._journal.log import Journal
 from straw._queue import events
+from straw._queue.machine import new_state, state_to_dict
 from straw.backend import FilesystemBackend
+from straw.protocol import encode
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "queue-v1-events"
 RUN, OWNER = "fixture-run", "fixture-owner"
@@ -43,6 +47,16 @@ def test_every_frame_of_an_old_journal_decodes_and_encodes_to_the_same_bytes(tmp
         assert events.encode(event) == body
         ops.append(event.OP)
     assert set(ops) == set(events.OPS)  # the fixture holds every op there is
+
+
+def test_replaying_an_old_journal_gives_the_state_its_writer_had_byte_for_byte(tmp_path: Path) -> None:
+    root = tmp_path / "pool"
+    shutil.copytree(FIXTURE, root)
+    limits = {"max_result_bytes": 4 * 1024**3, "max_result_tokens": 100_000_000, "metadata_bytes": 256 * 1024}
+    state = new_state(RUN, "rollout", limits)
+    for body in _frames(root):
+        state.apply(events.decode(body))
+    assert encode(state_to_dict(state)) == FIXTURE.with_name("queue-v1-events.state").read_bytes()
 
 
 def test_a_queue_written_by_the_dict_events_recovers_with_its_state(tmp_path: Path) -> None:

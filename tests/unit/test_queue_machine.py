@@ -635,7 +635,7 @@ def _error_cases(
     ref = fake_ref("r")
     empty = fake_ref("m", records=0, payload_bytes=0, tokens=0)
     ids = Ids()
-    token = run(s, s.check_open_consumer("c", "owner", "tok-c"))
+    token = run(s, s.ledger.check_open_consumer("c", "owner", "tok-c"))
     ref_dict = asdict(fake_ref("c"))
 
     def cursors(fetch: int, processed: int) -> dict[str, Any]:
@@ -729,9 +729,9 @@ def _error_cases(
         ),
         (ValueError, "max_tasks", lambda: s.check_acquire("w", 0, None, None, False, 1.0, LEASE_S, ids)),
         (ValueError, "worker_id", lambda: s.check_acquire("", 1, None, None, False, 1.0, LEASE_S, ids)),
-        (StaleAttempt, "not current", lambda: s.check_close_consumer("c", "bad-token")),
-        (UnsafeRecovery, "is open by owner", lambda: s.check_open_consumer("c", "intruder", "t2")),
-        (KeyError, "unknown consumer", lambda: s.check_close_consumer("nobody", "tok")),
+        (StaleAttempt, "not current", lambda: s.ledger.check_close_consumer("c", "bad-token")),
+        (UnsafeRecovery, "is open by owner", lambda: s.ledger.check_open_consumer("c", "intruder", "t2")),
+        (KeyError, "unknown consumer", lambda: s.ledger.check_close_consumer("nobody", "tok")),
         (ValueError, "processed_cursor", lambda: s.check_save_consumer("c", token, "sc1", cursors(0, 1))),
         (ValueError, "fetch_cursor", lambda: s.check_save_consumer("c", token, "sc2", cursors(1, 0))),
     ]
@@ -838,7 +838,7 @@ def _workload(s: QueueState, rng: random.Random, ids: Ids, steps: int, clock: li
             elif roll < 0.88:
                 run(s, s.check_retire(f"w{rng.randint(1, 3)}"))
             elif roll < 0.9:
-                run(s, s.check_open_consumer("training", "owner", ids()))
+                run(s, s.ledger.check_open_consumer("training", "owner", ids()))
             elif roll < 0.92:
                 run(s, s.check_release_reads([rng.choice(leases)] if leases else []))
             elif roll < 0.93:

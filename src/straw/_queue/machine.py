@@ -30,8 +30,6 @@ from ..errors import (
     QueueError,
     ResourceLimitExceeded,
     StaleAttempt,
-    StorageUnavailable,
-    UnsafeRecovery,
     UnsupportedSchema,
     invariant,
 )
@@ -44,6 +42,13 @@ from .events import Event as Event
 from .events import Receipt
 from .history import History, HistoryFile, Opener, open_files
 from .index import Key, PendingIndex, pending_key
+from .ledger import Acked as Acked  # re-exported: the ledger's types, where callers found them
+from .ledger import Consumer as Consumer
+from .ledger import Ledger, check_cursors
+from .progress import Acknowledged
+
+#: What needs a GC root (``QueueState.roots``), named for messages by ``describe_root``.
+Label = tuple[Any, ...]
 
 NewId = Callable[[], str]
 #: One entry of ``complete_tasks``: lease, submission id, result, its digest, the packs it reaches.
@@ -104,21 +109,38 @@ class Task:
         return result
 
 
-#: What the training consumer acknowledges: (processed_cursor, processed_positions above it).
-Acked = tuple[int, frozenset[int]]
-
-
 @dataclass
-class Consumer:
-    owner: str
-    token: str
-    open: bool = True
-    state: dict[str, Any] | None = None
+class Roots:
+    """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as dicts,
+    and packs already known (those of accepted results, recorded when accepted). Built with
+    ``labels``, it also says what needs each one (``describe_root`` names a label): the
+    labels ``straw check`` prints come from the very computation that decides the roots."""
+
+    refs: list[dict[str, Any]] = field(default_factory=list)
+    packs: set[str] = field(default_factory=set)
+    ref_labels: list[Label] | None = None
+    pack_labels: dict[str, list[Label]] | None = None
+
+    def add(self, label: Label, ref: dict[str, Any]) -> None:
+        self.refs.append(ref)
+        if self.ref_labels is not None:
+            self.ref_labels.append(label)
+
+    def add_packs(self, label: Label, packs: Iterable[str]) -> None:
+        self.packs.update(packs)
+        if self.pack_labels is not None:
+            for pack in packs:
+                self.pack_labels.setdefault(pack, []).append(label)
 
 
 @dataclass
 class QueueState:
-    """Everything the queue knows; rebuilt exactly by replaying its events."""
+    """Everything the queue knows; rebuilt exactly by replaying its events.
+
+    Two parts: the task lifecycle (tasks, leases, the pending indexes, accepted receipts and
+    idempotent requests) is this class; what consumers declared about accepted results
+    (consumers, batches, checkpoints, released history) is its :class:`Ledger`.
+    """
 
     run_id: str
     queue_id: str
@@ -144,16 +166,8 @@ class QueueState:
     #: Inputs each outstanding read was granted (and later given by save_task_progress): the
     #: holder may still read any of them, whatever the task's input is now (GC roots).
     read_inputs: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
-    consumers: dict[str, Consumer] = field(default_factory=dict)
-    batches: dict[str, dict[str, Any]] = field(default_factory=dict)
-    checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
-    #: Accepted history the queue stopped owning (docs/QUEUE.md "Released history"): every
-    #: position below ``released_cursor`` and those in ``released_positions`` (all above it).
-    #: Set by ``collect_garbage`` to what the training consumer had acknowledged; a rewind of
-    #: that consumer takes positions back (the queue owns them again).
-    released_cursor: int = 0
-    released_positions: frozenset[int] = frozenset()
     #: Packs each named reference reaches (``ref_key`` -> packs, or 0 for just its manifest's
     #: pack), journaled with the call that named it: collecting garbage, even right after a
     #: recovery, reads nothing to know a root's packs (docs/GC.md "Queue roots").
@@ -306,12 +320,8 @@ class QueueState:
             producers=dict(self.producers),
             reads=dict(self.reads),
             read_inputs={key: list(inputs) for key, inputs in self.read_inputs.items()},
-            consumers={k: Consumer(c.owner, c.token, c.open, c.state) for k, c in self.consumers.items()},
-            batches={k: dict(batch) for k, batch in self.batches.items()},
-            checkpoints={k: dict(entry) for k, entry in self.checkpoints.items()},
+            ledger=self.ledger.copy(),
             counts=dict(self.counts),
-            released_cursor=self.released_cursor,
-            released_positions=self.released_positions,
             ref_packs=dict(self.ref_packs),
             history=History(self.history.files),
             unfinished=set(self.unfinished),
@@ -985,46 +995,10 @@ class QueueState:
         ]
         self._reclaim(leased, f"revoked by recovery (epoch {self.epoch})")
         self.draining = False
-        # Recovery also ends every consumer's ownership (its token is revoked, its state kept):
-        # whoever now declares itself the owner may open it.
-        for consumer in self.consumers.values():
-            consumer.open = False
+        self.ledger.revoke_owners()  # recovery also ends every consumer's ownership
         return self.epoch
 
-    # ------------------------------------------------------------------ consumers, batches, checkpoints
-
-    def check_open_consumer(self, consumer_id: str, owner: str, token: str) -> ev.OpenConsumer:
-        _check_name(consumer_id, "consumer_id")
-        _check_name(owner, "exclusive_owner")
-        consumer = self.consumers.get(consumer_id)
-        if consumer is not None and consumer.open and consumer.owner != owner:
-            raise UnsafeRecovery(
-                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; a second live owner is "
-                "refused: close it, or recover the coordinator once that owner is known to be stopped"
-            )
-        return ev.OpenConsumer(consumer_id=consumer_id, owner=owner, token=token)
-
-    def _apply_open_consumer(self, event: ev.OpenConsumer) -> str:
-        old = self.consumers.get(event.consumer_id)
-        state = old.state if old is not None else None
-        self.consumers[event.consumer_id] = Consumer(event.owner, event.token, True, state)
-        return event.token
-
-    def consumer(self, consumer_id: str, token: str) -> Consumer:
-        consumer = self.consumers.get(consumer_id)
-        if consumer is None:
-            raise KeyError(f"unknown consumer {consumer_id!r}; open_consumer first")
-        if not consumer.open or consumer.token != token:
-            raise StaleAttempt(f"token of consumer {consumer_id!r} is not current; reopen the consumer")
-        return consumer
-
-    def check_close_consumer(self, consumer_id: str, token: str) -> ev.CloseConsumer:
-        self.consumer(consumer_id, token)
-        return ev.CloseConsumer(consumer_id=consumer_id)
-
-    def _apply_close_consumer(self, event: ev.CloseConsumer) -> bool:
-        self.consumers[event.consumer_id].open = False
-        return True
+    # ------------------------------------------------------------------ the ledger's calls
 
     def check_save_consumer(
         self,
@@ -1041,105 +1015,24 @@ class QueueState:
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(reply[1])
-        self.consumer(consumer_id, token)
-        _check_cursors(state, len(self.commits))
+        self.ledger.consumer(consumer_id, token)
+        check_cursors(state, len(self.commits))
         return ev.SaveConsumer(
             request_id=request_id,
             fingerprint=fingerprint,
             consumer_id=consumer_id,
             state=state,
-            released=self._rewound(acked, verified),
+            released=self.ledger.rewound(acked, verified),
         )
 
-    def _rewound(self, acked: Acked | None, verified: frozenset[int]) -> ev.Released | None:
-        """A rewind takes released history back: the new released set the event carries."""
-        if acked is None:
-            return None
-        back = self.reowned_by(acked)
-        missing = [p for p in back if p not in verified]
-        if missing:
-            raise StorageUnavailable(
-                f"accepted position {missing[0]} was released while this call checked the history; retry"
-            )
-        if not back:
-            return None
-        cursor, positions = self.released_after(acked)
-        return [cursor, sorted(positions)]
-
     def _apply_save_consumer(self, event: ev.SaveConsumer) -> dict[str, Any]:
-        self.consumers[event.consumer_id].state = event.state
-        self._apply_released(event.released)
-        return self._remember(event.request_id, event.fingerprint, event.state)
-
-    def _apply_released(self, released: ev.Released | None) -> None:
-        if released is not None:
-            self.released_cursor, self.released_positions = int(released[0]), frozenset(released[1])
-
-    # -- released history ----------------------------------------------------------------
-
-    def has_released(self) -> bool:
-        return bool(self.released_cursor or self.released_positions)
-
-    def is_released(self, position: int) -> bool:
-        return position < self.released_cursor or position in self.released_positions
-
-    def first_released(self, start: int, stop: int) -> int | None:
-        """The first released position in ``start..stop-1``, if any."""
-        if start >= stop:
-            return None
-        if start < self.released_cursor:
-            return start
-        inside = [p for p in self.released_positions if start <= p < stop]
-        return min(inside) if inside else None
-
-    def released_after(self, acked: Acked) -> tuple[int, frozenset[int]]:
-        """The released set once the training consumer acknowledges only ``acked``: what was
-        released and is still acknowledged (an intersection; it never grows here)."""
-        c_r, p_r = self.released_cursor, self.released_positions
-        c_a, p_a = acked
-        if c_r <= c_a:
-            return c_r, frozenset(p for p in p_r if p < c_a or p in p_a)
-        return c_a, frozenset(p for p in p_a if p < c_r or p in p_r)
-
-    def reowned_by(self, acked: Acked) -> list[int]:
-        """Released positions that ``acked`` no longer acknowledges (a rewind takes them back)."""
-        c_r, p_r = self.released_cursor, self.released_positions
-        c_a, p_a = acked
-        back = {p for p in p_r if p >= c_a and p not in p_a}
-        back.update(p for p in range(c_a, c_r) if p not in p_a)
-        return sorted(back)
-
-    def check_release_history(self, acked: Acked) -> ev.ReleaseHistory | None:
-        """``collect_garbage`` stops owning what the training consumer acknowledged."""
-        cursor, positions = acked
-        positions = frozenset(p for p in positions if p >= cursor)
-        if (cursor, positions) == (self.released_cursor, self.released_positions):
-            return None
-        return ev.ReleaseHistory(released=[cursor, sorted(positions)])
-
-    def _apply_release_history(self, event: ev.ReleaseHistory) -> None:
-        self._apply_released(event.released)
+        state = self.ledger.apply_save_consumer(event)
+        return self._remember(event.request_id, event.fingerprint, state)
 
     def check_plan_batch(
         self, consumer_id: str, token: str, batch: dict[str, Any]
     ) -> ev.PlanBatch | Answer[dict[str, Any]]:
-        self.consumer(consumer_id, token)
-        existing = self.batches.get(batch["batch_id"])
-        if existing is not None:
-            if {k: existing[k] for k in batch} != batch:
-                raise IdempotencyConflict(f"batch {batch['batch_id']!r} was already planned differently")
-            return Answer(existing)
-        positions = batch["input_positions"]
-        if any(
-            not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(self.commits) for p in positions
-        ):
-            raise ValueError(f"input_positions must name accepted results (0..{len(self.commits) - 1})")
-        return ev.PlanBatch(batch=batch)
-
-    def _apply_plan_batch(self, event: ev.PlanBatch) -> dict[str, Any]:
-        batch = dict(event.batch, ready=False)
-        self.batches[batch["batch_id"]] = batch
-        return batch
+        return self.ledger.check_plan_batch(consumer_id, token, batch, len(self.commits))
 
     def check_batch_ready(
         self,
@@ -1151,42 +1044,10 @@ class QueueState:
         acked: Acked | None = None,
         verified: frozenset[int] = frozenset(),
     ) -> ev.BatchReady | Answer[dict[str, Any]]:
-        consumer = self.consumer(consumer_id, token)
-        batch = self.batches.get(batch_id)
-        if batch is None:
-            raise KeyError(f"unknown batch {batch_id!r}; plan_batch first")
-        if batch["consumer_id"] != consumer_id:
-            raise InvalidReference(f"batch {batch_id!r} belongs to consumer {batch['consumer_id']!r}")
-        if batch["ready"]:
-            if batch["ready_ref"] != ready_ref:
-                raise IdempotencyConflict(f"batch {batch_id!r} is already ready with another result")
-            return Answer({"batch_id": batch_id, "ready_ref": batch["ready_ref"], "state": consumer.state})
-        _check_cursors(state, len(self.commits))
-        return ev.BatchReady(
-            consumer_id=consumer_id,
-            batch_id=batch_id,
-            ready_ref=ready_ref,
-            state=state,
-            released=self._rewound(acked, verified),
+        commits = len(self.commits)
+        return self.ledger.check_batch_ready(
+            consumer_id, token, batch_id, ready_ref, state, commits, acked, verified
         )
-
-    def _apply_batch_ready(self, event: ev.BatchReady) -> dict[str, Any]:
-        batch = self.batches[event.batch_id]
-        batch["ready"] = True
-        batch["ready_ref"] = event.ready_ref
-        self.consumers[event.consumer_id].state = event.state
-        self._apply_released(event.released)
-        return {"batch_id": event.batch_id, "ready_ref": event.ready_ref, "state": event.state}
-
-    def _apply_register_checkpoint(self, event: ev.RegisterCheckpoint) -> dict[str, Any]:
-        entry: dict[str, Any] = {"checkpoint_id": event.checkpoint_id, "checkpoint_ref": event.checkpoint_ref}
-        if event.batch_ids:
-            entry["batch_ids"] = list(event.batch_ids)  # what it trained on (accounting only)
-        self.checkpoints[event.checkpoint_id] = entry
-        return entry
-
-    def _apply_release_checkpoint(self, event: ev.ReleaseCheckpoint) -> bool:
-        return self.checkpoints.pop(event.checkpoint_id, None) is not None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -1204,41 +1065,33 @@ class QueueState:
 
     # ------------------------------------------------------------------ GC roots
 
-    def roots(
-        self, acknowledged: Callable[[int], bool], finished: frozenset[str] | set[str]
-    ) -> tuple[list[dict[str, Any]], set[str]]:
-        """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as
-        dicts, and packs already known (those of accepted results, recorded when accepted).
-
-        ``acknowledged(position)`` says whether the training consumer processed
-        that accepted result; ``finished`` names batches it finished.
+    def roots(self, acked: Acknowledged, *, labels: bool = False) -> Roots:
+        """What the queue still needs (docs/GC.md "Queue roots"): inputs of live tasks and of
+        outstanding reads, accepted results ``acked`` does not cover (the training consumer's
+        acknowledgement, ``Ledger.acknowledged``), and the ledger's roots. The coordinator's
+        collection and ``straw check`` both call this; ``labels`` records what needs each root.
         """
-        refs: list[dict[str, Any]] = []
-        packs: set[str] = set()
+        out = Roots(ref_labels=[] if labels else None, pack_labels={} if labels else None)
         for task in self.tasks.values():
             if task.state in (PENDING, LEASED) and task.spec.input_ref is not None:
-                refs.append(as_dict(task.spec.input_ref))
-        for inputs in self.read_inputs.values():
-            refs += inputs
-        self._history_roots(acknowledged, refs, packs)
+                out.add(("input", task.spec.task_id), as_dict(task.spec.input_ref))
+        for (task_id, attempt_id), inputs in self.read_inputs.items():
+            for ref in inputs:
+                out.add(("read", task_id, attempt_id), ref)
+        self._history_roots(acked.covers, out)
+        covers, packs = acked.covers, out.packs
         for position, known in enumerate(self.commit_packs, self.commits.base):
-            if not acknowledged(position):
-                if known:
-                    packs.update(known)
+            if not covers(position):
+                if not known:
+                    out.add(("result", position), self.commits[position]["result_ref"])
+                elif labels:
+                    out.add_packs(("result", position), known)
                 else:
-                    refs.append(self.commits[position]["result_ref"])
-        for consumer in self.consumers.values():
-            if consumer.state is not None:
-                refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]
-        for batch_id, batch in self.batches.items():
-            if batch_id not in finished:
-                refs += [batch[k] for k in ("plan_ref", "ready_ref") if batch.get(k) is not None]
-        refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
-        return refs, packs
+                    packs.update(known)  # the common case, kept lean: GC holds the lock meanwhile
+        self.ledger.roots(acked.finished, out.add)
+        return out
 
-    def _history_roots(
-        self, acknowledged: Callable[[int], bool], refs: list[dict[str, Any]], packs: set[str]
-    ) -> None:
+    def _history_roots(self, acknowledged: Callable[[int], bool], out: Roots) -> None:
         """Roots among receipts on disk: a pack is needed while any position reaching it is not
         acknowledged (each file lists its packs with their positions, read once per collection)."""
         for file in self.history.files:
@@ -1246,9 +1099,29 @@ class QueueState:
                 continue  # every result of this file processed (or it holds none): no read
             meta = file.meta()
             for pack, positions in meta["packs"].items():
-                if pack not in packs and not all(acknowledged(p) for p in positions):
-                    packs.add(pack)
-            refs.extend(self.commits[p]["result_ref"] for p in meta["unknown"] if not acknowledged(p))
+                if out.pack_labels is not None:
+                    for p in positions:
+                        if not acknowledged(p):
+                            out.add_packs(("result", p), [pack])
+                elif pack not in out.packs and not all(acknowledged(p) for p in positions):
+                    out.packs.add(pack)
+            for p in meta["unknown"]:
+                if not acknowledged(p):
+                    out.add(("result", p), self.commits[p]["result_ref"])
+
+    def describe_root(self, label: Label) -> str:
+        """What a root label names, for messages (``straw check``)."""
+        kind = label[0]
+        if kind == "input":
+            return f"input of task {label[1]!r}"
+        if kind == "read":
+            return f"input read by task {label[1]!r} attempt {label[2][:12]}"
+        if kind == "result":
+            task_id = self.commits[label[1]].get("task_id")
+            return f"result of task {task_id!r} (accepted at position {label[1]})"
+        if kind in ("consumer", "batch"):
+            return f"{label[2]} of {kind} {label[1]!r}"
+        return f"checkpoint {label[1]!r}"
 
     def known_reach(self, refs: Iterable[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], set[str]]:
         """Split root references into those whose packs were journaled (their packs, returned)
@@ -1267,9 +1140,11 @@ class QueueState:
 
     # ------------------------------------------------------------------ views
 
-    def usage(self, acknowledged: Callable[[int], bool], finished: frozenset[str]) -> dict[str, Any]:
+    def usage(self, acked: Acknowledged) -> dict[str, Any]:
         """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
-        results not yet processed, plus the estimates of leased production tasks; ready batches."""
+        results ``acked`` does not cover, plus the estimates of leased production tasks; ready
+        batches (the ledger's)."""
+        acknowledged = acked.covers
         unprocessed = {"records": 0, "bytes": 0, "tokens": 0}
 
         def add(records: int, payload_bytes: int, tokens: int) -> None:
@@ -1301,16 +1176,7 @@ class QueueState:
             reserved["records"] += task.spec.estimated_records
             reserved["bytes"] += task.spec.estimated_bytes
             reserved["tokens"] += task.spec.estimated_tokens
-        ready = {"records": 0, "bytes": 0, "tokens": 0}
-        trained = set(finished)
-        for entry in self.checkpoints.values():
-            trained.update(entry.get("batch_ids", ()))
-        for batch_id, batch in self.batches.items():
-            ref = batch.get("ready_ref")
-            if batch.get("ready") and ref is not None and batch_id not in trained:
-                ready["records"] += ref["records"]
-                ready["bytes"] += ref["payload_bytes"]
-                ready["tokens"] += ref["tokens"]
+        ready = self.ledger.ready(acked.finished)
         return {
             "accepted_unprocessed": unprocessed,
             **reserved,
@@ -1375,6 +1241,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
     field lists, and input references shared by many tasks are stored once.
     """
     refs, rows = _compact_specs([t.spec for t in state.tasks.values()])
+    ledger = state.ledger
     tasks = [
         [
             row,
@@ -1409,10 +1276,10 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         ],
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
-        "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
-        "batches": state.batches,
-        "checkpoints": state.checkpoints,
-        "released": [state.released_cursor, sorted(state.released_positions)],
+        "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in ledger.consumers.items()},
+        "batches": ledger.batches,
+        "checkpoints": ledger.checkpoints,
+        "released": [ledger.released_cursor, sorted(ledger.released_positions)],
         "ref_packs": state.ref_packs,
         "history": state.history.describe(),
     }
@@ -1568,13 +1435,19 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
         lease = Lease.from_dict(item)
         state.reads[(lease.task_id, lease.attempt_id)] = lease
         state.read_inputs[(lease.task_id, lease.attempt_id)] = list(inputs)
-    state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
-    state.batches = dict(data["batches"])
-    state.checkpoints = dict(data["checkpoints"])
+    ledger = state.ledger
+    ledger.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
+    ledger.batches = dict(data["batches"])
+    ledger.checkpoints = dict(data["checkpoints"])
     state.ref_packs = dict(data.get("ref_packs", {}))  # absent in older snapshots: roots are read
     released = data.get("released", [0, []])  # absent in snapshots written before released history
-    state.released_cursor, state.released_positions = int(released[0]), frozenset(released[1])
+    ledger.released_cursor, ledger.released_positions = int(released[0]), frozenset(released[1])
     return state
+
+
+def _on_ledger(handler: Callable[[Ledger, Any], object]) -> Callable[[QueueState, Any], object]:
+    """A ledger op's handler, applied to the state's ledger."""
+    return lambda state, event: handler(state.ledger, event)
 
 
 #: Dispatch by event type. Each handler takes its own event class: the table is what pairs
@@ -1594,14 +1467,14 @@ _APPLY: dict[type[Event], Callable[[QueueState, Any], object]] = {
     ev.Retire: QueueState._apply_retire,
     ev.ReleaseReads: QueueState._apply_release_reads,
     ev.Epoch: QueueState._apply_epoch,
-    ev.OpenConsumer: QueueState._apply_open_consumer,
-    ev.CloseConsumer: QueueState._apply_close_consumer,
+    ev.OpenConsumer: _on_ledger(Ledger.apply_open_consumer),
+    ev.CloseConsumer: _on_ledger(Ledger.apply_close_consumer),
     ev.SaveConsumer: QueueState._apply_save_consumer,
-    ev.PlanBatch: QueueState._apply_plan_batch,
-    ev.BatchReady: QueueState._apply_batch_ready,
-    ev.RegisterCheckpoint: QueueState._apply_register_checkpoint,
-    ev.ReleaseCheckpoint: QueueState._apply_release_checkpoint,
-    ev.ReleaseHistory: QueueState._apply_release_history,
+    ev.PlanBatch: _on_ledger(Ledger.apply_plan_batch),
+    ev.BatchReady: _on_ledger(Ledger.apply_batch_ready),
+    ev.RegisterCheckpoint: _on_ledger(Ledger.apply_register_checkpoint),
+    ev.ReleaseCheckpoint: _on_ledger(Ledger.apply_release_checkpoint),
+    ev.ReleaseHistory: _on_ledger(Ledger.apply_release_history),
 }
 invariant(_APPLY.keys() == set(ev.OPS.values()), "every journal op has a handler")
 
@@ -1650,18 +1523,3 @@ def _replace_spec(spec: TaskSpec, item: Mapping[str, Any]) -> TaskSpec:
         if item.get(name) is not None:
             data[name] = item[name]
     return TaskSpec.from_dict(data)
-
-
-def _check_name(value: object, what: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-
-
-def _check_cursors(state: Mapping[str, Any], commits: int) -> None:
-    """Cursors name accepted positions; either may move back (a checkpoint restored)."""
-    fetch, processed = state["fetch_cursor"], state["processed_cursor"]
-    for name, value in (("fetch_cursor", fetch), ("processed_cursor", processed)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= commits:
-            raise ValueError(f"{name} must be an integer in 0..{commits} (accepted results), got {value!r}")
-    if processed > fetch:
-        raise ValueError(f"processed_cursor {processed} is ahead of fetch_cursor {fetch}")
