@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -23,25 +24,25 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ._catalog.state import queue_owner
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
 from ._journal import history_io
 from ._journal.log import Journal
+from ._queue import events as ev
 from ._queue import history as history_files
 from ._queue import validate
+from ._queue.ledger import TRAINING as TRAINING  # the consumer whose progress acknowledges
 from ._queue.machine import (
     COMPLETED,
     LEASED,
     PENDING,
     SAVED,
     Answer,
-    Event,
     Planned,
     QueueState,
-    journal_body,
     new_state,
     ref_key,
     state_from_dict,
@@ -66,6 +67,7 @@ from .limits import (
 )
 from .protocol import (
     AcquireResult,
+    AcquireStatus,
     Assignment,
     CommitPage,
     CommitReceipt,
@@ -83,9 +85,9 @@ from .store import Adoption, SharedFilesystemStore
 
 __all__ = ["Coordinator"]
 
+R = TypeVar("R")
+
 IDENTITY_FILE = "queue.json"
-#: The consumer whose progress acknowledges accepted results for GC (API.md section 7).
-TRAINING = "training"
 LOCK_FILE = "LOCK"
 QUEUE_FORMAT = "straw-queue"
 QUEUE_VERSION = 1
@@ -234,7 +236,6 @@ class Coordinator:
         self._ids = random.Random(secrets.randbits(256))
         self._broken: BaseException | None = None
         self._closed = False
-        self._last_reply: Any = None
         self._viewing_durable = False  # the state was reloaded from disk after a journal failure
         self._paused: StorageUnavailable | None = None  # set when accepted data was found missing
         self._counters = {"duplicate_completions": 0, "duplicate_requests": 0, "snapshots_failed": 0}
@@ -339,7 +340,7 @@ class Coordinator:
         self._state = state
         # J4.5: a new epoch, durable before serving, revokes every lease of the old one. It
         # records the identity too, so a lost queue.json can be checked and rewritten (I21).
-        self._commit(lambda: {"op": "epoch", "epoch": state.epoch + 1, "identity": self._identity()})
+        self._commit(lambda: ev.Epoch(epoch=state.epoch + 1, identity=self._identity()))
         return state
 
     def _refuse_lost(self, has_identity: bool) -> None:
@@ -459,9 +460,9 @@ class Coordinator:
         identity: list[dict[str, Any] | None] = [None]
 
         def apply(seq: int, body: bytes) -> None:
-            event = decode(body)
-            if event.get("op") == "epoch" and isinstance(event.get("identity"), dict):
-                identity[0] = event["identity"]
+            event = ev.decode(body)
+            if isinstance(event, ev.Epoch) and event.identity is not None:
+                identity[0] = event.identity
             holder[0].apply(event)
 
         def load(body: bytes) -> None:
@@ -517,10 +518,10 @@ class Coordinator:
 
     def _commit(
         self,
-        check: Callable[[], Event | Answer],
+        check: Callable[[], ev.Op[R] | Answer[R]],
         packs: set[str] | None = None,
         adopted: Adoption | None = None,
-    ) -> Any:
+    ) -> R:
         """Check, own, journal, apply under the lock; return once the transaction is durable (J2).
 
         ``packs`` are the packs the call's references reach: they are owned by the
@@ -533,6 +534,7 @@ class Coordinator:
             self._take_history(HISTORY_FORGET_PER_CALL)
             self._maybe_snapshot()
             result = check()
+            reply: R
             if isinstance(result, Answer):
                 seq = self._journal.last_seq
                 reply = result.value
@@ -540,24 +542,24 @@ class Coordinator:
             else:
                 self._own_before_naming(packs or set())
                 if isinstance(adopted, _Taken) and adopted.reach:
-                    result["reach"] = adopted.reach  # what each named reference reaches (GC roots)
-                seq = self._journal_locked(result)
-                reply = self._last_reply
+                    # What each named reference reaches (GC roots), journaled with the event.
+                    result = dataclasses.replace(result, reach=adopted.reach)
+                seq, reply = self._journal_locked(result)
         self._wait_durable(seq)
         if adopted and not isinstance(result, Answer):
             self._handed.append(adopted)  # G6.1: durable now; the next catalog frame ends its staging
         return reply
 
-    def _journal_locked(self, event: Event) -> int:
-        """Append one transaction and apply it (lock held); its reply is ``_last_reply``."""
-        body = journal_body(event)  # an event that cannot be encoded journals nothing, breaks nothing
+    def _journal_locked(self, event: ev.Op[R]) -> tuple[int, R]:
+        """Append one transaction and apply it (lock held): its frame's seq, and its reply."""
+        body = ev.encode(event)  # an event that cannot be encoded journals nothing, breaks nothing
         try:
             seq = self._journal.append(body)
-            self._last_reply = self._state.apply(event)
+            reply = self._state.apply(event)
         except BaseException as error:
             self._broken = error
             raise
-        return seq
+        return seq, reply
 
     def _wait_durable(self, seq: int) -> None:
         """Wait until frame ``seq`` is durable; a journal failure stops the coordinator (J3)."""
@@ -596,7 +598,7 @@ class Coordinator:
             adopted.update(handed.popleft())
         return adopted
 
-    def _query(self, read: Callable[[], Any]) -> Any:
+    def _query(self, read: Callable[[], R]) -> R:
         """Answer from the state, once everything it may reflect is durable. A coordinator that
         stopped after a journal failure still answers, from its durable state (read once)."""
         with self._lock:
@@ -835,13 +837,13 @@ class Coordinator:
                 "then reopen the queue with recover=True (calls on leased work still answer)"
             )
         now = self.clock()
-        reply = self._commit(
+        reply: list[Lease] | AcquireStatus = self._commit(
             lambda: self._state.check_acquire(
                 worker_id, max_tasks, ids, task_prefix, bool(control), now, self.lease_seconds, self._new_id
             )
         )
         if isinstance(reply, str):
-            return AcquireResult(reply)  # type: ignore[arg-type]
+            return AcquireResult(reply)
         if not reply:
             return AcquireResult(self._query(self._state._idle_status))
         assignments = tuple(Assignment(self._state.tasks[lease.task_id].spec, lease) for lease in reply)
@@ -922,7 +924,7 @@ class Coordinator:
                 reached[submission_id] = self._validate_result(lease, ref, adopted, number)
         plans: list[Planned] = []  # set by check(), which _commit runs once under the lock
 
-        def check() -> Event | Answer:
+        def check() -> ev.CompleteMany | Answer[list[ev.Receipt]]:
             planned = [
                 (lease, submission_id, ref, result_digest, reached.get(submission_id, ()))
                 for lease, submission_id, ref, result_digest in entries
@@ -969,7 +971,7 @@ class Coordinator:
         if not isinstance(lease, Lease):
             raise TypeError(f"fail_task takes a Lease, got {type(lease).__name__}")
         now = self.clock()
-        return str(self._commit(lambda: self._state.check_fail(lease, request_id, failure, retryable, now)))
+        return self._commit(lambda: self._state.check_fail(lease, request_id, failure, retryable, now))
 
     def release_tasks(self, leases: Iterable[Lease], *, request_id: str) -> list[str]:
         """Give leased tasks back without spending an attempt (stale leases are reported, not fatal)."""
@@ -1035,19 +1037,19 @@ class Coordinator:
         """Cancel a pending or leased task; a finished task keeps its state (returned)."""
         _text(request_id, "request_id")
         _text(task_id, "task_id")
-        return str(self._commit(lambda: self._state.check_cancel(task_id, request_id)))
+        return self._commit(lambda: self._state.check_cancel(task_id, request_id))
 
     def seal_input(self, request_id: str) -> bool:
         """No more tasks will be submitted; ``acquire`` answers ``end_of_input`` once all are done."""
         _text(request_id, "request_id")
-        return bool(self._commit(lambda: self._state.check_seal(request_id)))
+        return self._commit(lambda: self._state.check_seal(request_id))
 
     def task_status(self, task_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
             task = self._state.find_task(task_id)  # a finished one may answer from its history file
             return task.status() if task is not None else None
 
-        return self._query(read)  # type: ignore[no-any-return]
+        return self._query(read)
 
     def pending_tasks(
         self, *, task_prefix: str | None = None, min_priority: int | None = None
@@ -1072,7 +1074,7 @@ class Coordinator:
         def read() -> tuple[list[dict[str, Any]], bool]:
             state = self._state
             page = state.commits[cursor : cursor + limit]
-            released = state.first_released(cursor, cursor + len(page))
+            released = state.ledger.first_released(cursor, cursor + len(page))
             if released is not None:
                 raise InvalidReference(
                     f"accepted position {released} was acknowledged by the training consumer and "
@@ -1092,7 +1094,7 @@ class Coordinator:
 
     def release_task_reads(self, leases: Iterable[Lease]) -> int:
         items = validate.leases(leases, "release_task_reads")
-        return int(self._commit(lambda: self._state.check_release_reads(items)))
+        return self._commit(lambda: self._state.check_release_reads(items))
 
     def retire_worker(self, worker_id: str) -> list[dict[str, Any]]:
         """Fence a stopped worker: its leases are revoked and its reads end; returns its receipts."""
@@ -1105,10 +1107,12 @@ class Coordinator:
         _text(consumer_id, "consumer_id")
         _text(exclusive_owner, "exclusive_owner")
         token = self._new_id()
-        return str(self._commit(lambda: self._state.check_open_consumer(consumer_id, exclusive_owner, token)))
+        return self._commit(
+            lambda: self._state.ledger.check_open_consumer(consumer_id, exclusive_owner, token)
+        )
 
     def close_consumer(self, consumer_id: str, token: str) -> bool:
-        return bool(self._commit(lambda: self._state.check_close_consumer(consumer_id, token)))
+        return self._commit(lambda: self._state.ledger.check_close_consumer(consumer_id, token))
 
     def _consumer_state(
         self,
@@ -1174,10 +1178,10 @@ class Coordinator:
         ``progress`` is what a training state acknowledges (None for other consumers).
         Returns that, the positions verified and their packs.
         """
-        if progress is None or not self._query(self._state.has_released):
+        if progress is None or not self._query(self._state.ledger.has_released):
             return None, frozenset(), set()  # nothing was released: nothing to take back
         acked = (progress.cursor, progress.positions)
-        back = self._query(lambda: self._state.reowned_by(acked))
+        back = self._query(lambda: self._state.ledger.reowned_by(acked))
         if not back:
             return acked, frozenset(), set()
         receipts = self._query(lambda: [(self._state.commits[p], self._state.packs_at(p)) for p in back])
@@ -1198,10 +1202,10 @@ class Coordinator:
 
     def load_consumer_state(self, consumer_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
-            consumer = self._state.consumers.get(consumer_id)
+            consumer = self._state.ledger.consumers.get(consumer_id)
             return dict(consumer.state) if consumer is not None and consumer.state is not None else None
 
-        return self._query(read)  # type: ignore[no-any-return]
+        return self._query(read)
 
     def plan_batch(
         self,
@@ -1262,10 +1266,10 @@ class Coordinator:
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
         def read() -> dict[str, Any] | None:
-            batch = self._state.batches.get(batch_id)
+            batch = self._state.ledger.batches.get(batch_id)
             return dict(batch) if batch is not None else None
 
-        return self._query(read)  # type: ignore[no-any-return]
+        return self._query(read)
 
     def register_checkpoint(self, checkpoint_id: str, checkpoint_ref: RecordSetRef) -> dict[str, Any]:
         """Record a training checkpoint's reference; it is a GC root until released."""
@@ -1275,22 +1279,17 @@ class Coordinator:
         ref = as_dict(checkpoint_ref)
         batches = self._checkpointed_batches(checkpoint_ref)
 
-        def check() -> Event | Answer:
-            existing = self._state.checkpoints.get(checkpoint_id)
+        def check() -> ev.RegisterCheckpoint | Answer[dict[str, Any]]:
+            existing = self._state.ledger.checkpoints.get(checkpoint_id)
             if existing is not None:
                 if existing["checkpoint_ref"] != ref:
                     raise InvalidReference(
                         f"checkpoint {checkpoint_id!r} is registered with another reference"
                     )
                 return Answer(existing)
-            event: Event = {
-                "op": "register_checkpoint",
-                "checkpoint_id": checkpoint_id,
-                "checkpoint_ref": ref,
-            }
-            if batches:
-                event["batch_ids"] = batches
-            return event
+            return ev.RegisterCheckpoint(
+                checkpoint_id=checkpoint_id, checkpoint_ref=ref, batch_ids=batches or None
+            )
 
         return dict(self._commit(check, packs, adopted))
 
@@ -1311,27 +1310,30 @@ class Coordinator:
     def release_checkpoint(self, checkpoint_id: str) -> bool:
         _text(checkpoint_id, "checkpoint_id")
 
-        def check() -> Event | Answer:
-            if checkpoint_id not in self._state.checkpoints:
+        def check() -> ev.ReleaseCheckpoint | Answer[bool]:
+            if checkpoint_id not in self._state.ledger.checkpoints:
                 return Answer(False)
-            return {"op": "release_checkpoint", "checkpoint_id": checkpoint_id}
+            return ev.ReleaseCheckpoint(checkpoint_id=checkpoint_id)
 
-        return bool(self._commit(check))
+        return self._commit(check)
 
     # ------------------------------------------------------------------ garbage collection
 
     def _progress(self, state: Mapping[str, Any] | None) -> Acknowledged:
-        """What a ``training`` consumer state acknowledges: its processed_cursor, plus the
-        positions and batches its ``progress_ref`` lists (read from the store)."""
-        progress = state.get("progress_ref") if state is not None else None
-        if progress is None:
-            return acknowledged(state)
-        return acknowledged(state, parse_progress(list(self.store.read(RecordSetRef.from_dict(progress)))))
+        """What a new ``training`` consumer state would acknowledge (``progress.acknowledged``,
+        the rule ``Ledger.acknowledged`` applies to the saved one), its record read here."""
+        return acknowledged(state, self._read_progress(state.get("progress_ref") if state else None))
+
+    def _read_progress(self, ref: Mapping[str, Any] | None) -> tuple[set[int], set[str]]:
+        """The positions and batches a progress record lists (none without one; read from the store)."""
+        if ref is None:
+            return set(), set()
+        return parse_progress(list(self.store.read(RecordSetRef.from_dict(ref))))
 
     def _acknowledgements(self) -> Acknowledged:
         """What the ``training`` consumer processed (lock held: reads the current state)."""
-        consumer = self._state.consumers.get(TRAINING)
-        return self._progress(consumer.state if consumer is not None else None)
+        ledger = self._state.ledger
+        return ledger.acknowledged(self._read_progress(ledger.progress_ref()))
 
     def _usage(self) -> dict[str, Any]:
         """The peer's accounting view (``metrics()["usage_with_reservations"]``): accepted results
@@ -1339,11 +1341,9 @@ class Coordinator:
 
         Diagnostic only: nothing is refused by it (``Limits`` are identity fields, not quotas).
         """
-        consumer_state = self._query(
-            lambda: self._state.consumers[TRAINING].state if TRAINING in self._state.consumers else None
-        )
-        acked = self._progress(consumer_state)
-        return dict(self._query(lambda: self._state.usage(acked.covers, acked.finished)))
+        # The record is read without the lock; what it acknowledges is then judged by the ledger.
+        progress = self._read_progress(self._query(lambda: self._state.ledger.progress_ref()))
+        return self._query(lambda: self._state.usage(self._state.ledger.acknowledged(progress)))
 
     def collect_garbage(self) -> dict[str, Any]:
         """Own exactly this queue's roots in the catalog, then collect the pool (docs/GC.md).
@@ -1357,9 +1357,10 @@ class Coordinator:
             # The history the queue stops owning is journaled as released first (read_commits
             # then names it); the frame need not be durable before the catalog drops it, since
             # losing it only turns that message into a missing-file error.
-            release = self._state.check_release_history((acked.cursor, acked.positions))
-            seq = self._journal_locked(release) if release is not None else None
-            listed, packs = self._state.roots(acked.covers, acked.finished)
+            release = self._state.ledger.check_release_history((acked.cursor, acked.positions))
+            seq = self._journal_locked(release)[0] if release is not None else None
+            roots = self._state.roots(acked)
+            listed, packs = roots.refs, roots.packs
             unknown, known = self._state.known_reach(listed)  # item 12: no reads for these
             refs = [RecordSetRef.from_dict(d) for d in unknown]
             packs |= known | self.store.reach(refs)
@@ -1397,14 +1398,14 @@ class Coordinator:
 
     @property
     def checkpoints(self) -> dict[str, dict[str, Any]]:
-        return dict(self._query(lambda: {k: dict(v) for k, v in self._state.checkpoints.items()}))
+        return dict(self._query(lambda: {k: dict(v) for k, v in self._state.ledger.checkpoints.items()}))
 
     @property
     def consumers(self) -> dict[str, dict[str, Any]]:
         def read() -> dict[str, dict[str, Any]]:
             return {
                 k: {"owner": c.owner, "open": c.open, "state": c.state}
-                for k, c in self._state.consumers.items()
+                for k, c in self._state.ledger.consumers.items()
             }
 
         return dict(self._query(read))
@@ -1436,10 +1437,10 @@ class Coordinator:
     def drain(self) -> dict[str, int]:
         """Stop handing out tasks (``acquire`` answers ``draining``); leased work can still finish."""
 
-        def check() -> Event | Answer:
+        def check() -> ev.Drain | Answer[bool]:
             if self._state.draining:
                 return Answer(True)
-            return {"op": "drain"}
+            return ev.Drain()
 
         self._commit(check)
         counts = self._query(lambda: dict(self._state.counts))

@@ -178,12 +178,8 @@ def _journal_roots(pool: Pool, view: QueueView, retained: set[str], failures: li
     for position in range(len(state.commits)):
         refs.append(state.commits[position]["result_ref"])
         retained.update(state.packs_at(position))
-    for consumer in state.consumers.values():
-        if consumer.state is not None:
-            refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]
-    for batch in state.batches.values():
-        refs += [batch[k] for k in ("plan_ref", "ready_ref") if batch.get(k) is not None]
-    refs += [entry["checkpoint_ref"] for entry in state.checkpoints.values()]
+    # The ledger's roots with no batch counted as finished: every batch's references too.
+    state.ledger.roots(frozenset(), lambda label, ref: refs.append(ref))
     backend = FilesystemBackend(pool.root, visibility_delays=())
     session = ReadSession(backend, view.run_id or "")
     try:

@@ -27,6 +27,7 @@ import pytest
 import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, Limits, Record, RecordSetRef, SharedFilesystemStore, TaskSpec
+from straw._queue import events
 from straw._queue.machine import QueueState
 from straw.backend import FilesystemBackend
 from straw.errors import (
@@ -618,8 +619,8 @@ def test_close_writes_a_snapshot(make: Any) -> None:
     applied = []
     real_apply = QueueState.apply
 
-    def counting(self: QueueState, event: dict[str, Any]) -> Any:
-        applied.append(event["op"])
+    def counting(self: QueueState, event: events.Event) -> Any:
+        applied.append(event.OP)
         return real_apply(self, event)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -1088,8 +1089,8 @@ def test_j5_snapshots_bound_what_recovery_replays(make: Any, monkeypatch: pytest
     applied: list[str] = []
     real_apply = QueueState.apply
 
-    def counting(self: QueueState, event: dict[str, Any]) -> Any:
-        applied.append(event["op"])
+    def counting(self: QueueState, event: events.Event) -> Any:
+        applied.append(event.OP)
         return real_apply(self, event)
 
     monkeypatch.setattr(QueueState, "apply", counting)
@@ -1337,8 +1338,8 @@ def test_j3_an_apply_failure_stops_the_coordinator_and_leaves_no_half_transactio
     coord.submit_tasks("r1", [TaskSpec("a")])
     real_apply = QueueState.apply
 
-    def half_apply(self: QueueState, event: dict[str, Any]) -> Any:
-        if event["op"] == "submit" and event["request_id"] == "r2":
+    def half_apply(self: QueueState, event: events.Event) -> Any:
+        if isinstance(event, events.Submit) and event.request_id == "r2":
             self.tasks.clear()  # damage the live state, then fail like a bug would
             raise RuntimeError("apply bug")
         return real_apply(self, event)

@@ -30,6 +30,7 @@ import xxhash
 from straw._journal import frame
 from straw._journal.frame import Decision
 from straw._journal.log import Journal
+from straw._queue import events
 from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
@@ -503,7 +504,7 @@ def _events(count: int) -> tuple[list[bytes], list[Any]]:
         state.apply(decision)
         snapshots.append(encode(state_to_dict(state)))
 
-    push({"op": "epoch", "epoch": 1})
+    push(events.Epoch(epoch=1))
     now = 0.0
     while len(out) < count:
         if rng.random() < 0.5:
@@ -526,7 +527,7 @@ def test_i10_snapshot_plus_tail_equals_a_full_replay(tmp_path: Path) -> None:
         count = [0]
 
         def apply(seq: int, body: bytes) -> None:
-            holder[0].apply(decode(body))
+            holder[0].apply(events.decode(body))
             count[0] += 1
 
         def load(body: bytes) -> None:

@@ -20,7 +20,7 @@ from ..store import ReadSession
 from .catalog_view import CatalogView, read_catalog
 from .layout import Layout, list_pool, open_pool, writer_alive
 from .packs import PackScan, scan_pack
-from .queue_view import QueueView, load_queue, progress_ref, ref_key, root_labels, root_refs
+from .queue_view import QueueView, labelled_roots, load_queue, progress_ref, ref_key
 
 
 @dataclass
@@ -101,9 +101,7 @@ def _resolve_roots(root: str, view: QueueView) -> RootSet:
     backend = FilesystemBackend(root, visibility_delays=())
     session = ReadSession(backend, view.run_id or "")
     try:
-        positions, finished = _acknowledgements(session, view, out)
-        refs, packs = root_refs(view, positions, finished)
-        by_ref, by_pack = root_labels(view, positions)
+        refs, packs, by_ref, by_pack = labelled_roots(view, _acknowledgements(session, view, out))
         out.refs = len(refs) + len(packs)
         for pack in packs:
             _reach(out, pack, by_pack.get(pack, ["an accepted result"]))

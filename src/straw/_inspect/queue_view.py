@@ -8,7 +8,6 @@ frames gives exactly the state the coordinator had after the last of them
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +15,11 @@ from .._catalog.state import queue_owner
 from .._fs import posix
 from .._journal import frame as journal_frame
 from .._journal import history_io, scan
+from .._queue import events
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
-from .._queue.progress import acknowledged
-from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION, TRAINING
+from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION
 from ..errors import QueueError
-from ..protocol import as_dict, decode
+from ..protocol import decode
 from .journal_scan import JournalScan, scan_journal
 
 _LIMIT_KEYS = ("max_result_bytes", "max_result_tokens", "metadata_bytes")
@@ -171,14 +170,14 @@ def _replay(view: QueueView, root: str) -> None:
             recorded = data.get("identity") if isinstance(data, dict) else None
             state = state_from_dict(data, limits, history_io.opener(os.path.join(root, view.directory)))
         for seq, body in view.journal.frames:
-            event = decode(body)
+            event = events.decode(body)
             state.apply(event)
-            if isinstance(event, dict) and event.get("op") == "epoch" and "identity" in event:
-                recorded = event["identity"]
-            if isinstance(event, dict) and event.get("op") == "acquire":
-                for task_id, attempt_id, _ in event["grants"]:
-                    view.granted[(task_id, attempt_id)] = (seq, float(event["deadline"]))
-                view.newest_deadline = float(event["deadline"])
+            if isinstance(event, events.Epoch) and event.identity is not None:
+                recorded = event.identity
+            if isinstance(event, events.Acquire):
+                for task_id, attempt_id, _ in event.grants:
+                    view.granted[(task_id, attempt_id)] = (seq, float(event.deadline))
+                view.newest_deadline = float(event.deadline)
     except Exception as error:
         view.problems.append(
             (
@@ -252,8 +251,8 @@ def describe(view: QueueView) -> dict[str, Any]:
         commits=len(state.commits),
         outstanding_reads=len(state.reads),
         consumers=_consumers(state),
-        checkpoints=sorted(state.checkpoints),
-        last_checkpoint=next(reversed(state.checkpoints), None),
+        checkpoints=sorted(state.ledger.checkpoints),
+        last_checkpoint=next(reversed(state.ledger.checkpoints), None),
     )
     return out
 
@@ -284,7 +283,7 @@ def _leases(view: QueueView, state: QueueState) -> list[dict[str, Any]]:
 
 def _consumers(state: QueueState) -> dict[str, dict[str, Any]]:
     out = {}
-    for name, consumer in state.consumers.items():
+    for name, consumer in state.ledger.consumers.items():
         cursors = {}
         if consumer.state is not None:
             cursors = {k: v for k, v in consumer.state.items() if k.endswith("cursor")}
@@ -294,31 +293,28 @@ def _consumers(state: QueueState) -> dict[str, dict[str, Any]]:
 
 def progress_ref(view: QueueView) -> dict[str, Any] | None:
     """The ``training`` consumer's progress record reference, if it saved one."""
-    state = view.state
-    consumer = state.consumers.get(TRAINING) if state is not None else None
-    if consumer is None or consumer.state is None:
-        return None
-    ref = consumer.state.get("progress_ref")
-    return ref if isinstance(ref, dict) else None
+    return view.state.ledger.progress_ref() if view.state is not None else None
 
 
-def root_refs(
-    view: QueueView, positions: set[int], finished: set[str]
-) -> tuple[list[dict[str, Any]], set[str]]:
-    """The queue's GC roots as the coordinator computes them (``QueueState.roots``): references
-    to resolve and packs already known. ``positions`` and ``finished`` come from the training
-    consumer's progress record (``Coordinator._acknowledgements``)."""
+def labelled_roots(
+    view: QueueView, progress: tuple[set[int], set[str]]
+) -> tuple[list[dict[str, Any]], set[str], dict[str, list[str]], dict[str, list[str]]]:
+    """The queue's GC roots exactly as the coordinator computes them (``QueueState.roots`` with
+    what ``Ledger.acknowledged`` makes of the training consumer's progress record, read by the
+    caller as ``progress``): references to resolve and packs already known, then the names of
+    what needs each one, by reference (``ref_key``) and by pack, from the same computation."""
     state = view.state
     if state is None:
-        return [], set()
-    return state.roots(_acknowledged(state, positions), finished)
-
-
-def _acknowledged(state: QueueState, positions: set[int]) -> Callable[[int], bool]:
-    """Whether the training consumer acknowledged an accepted result: the coordinator's rule
-    (``straw._queue.progress.acknowledged``), with ``positions`` from its progress record."""
-    consumer = state.consumers.get(TRAINING)
-    return acknowledged(consumer.state if consumer else None, (positions, ())).covers
+        return [], set(), {}, {}
+    roots = state.roots(state.ledger.acknowledged(progress), labels=True)
+    by_ref: dict[str, list[str]] = {}
+    for label, ref in zip(roots.ref_labels or (), roots.refs, strict=True):
+        by_ref.setdefault(ref_key(ref), []).append(state.describe_root(label))
+    by_pack = {
+        pack: [state.describe_root(label) for label in labels]
+        for pack, labels in (roots.pack_labels or {}).items()
+    }
+    return roots.refs, roots.packs, by_ref, by_pack
 
 
 def ref_key(ref: Any) -> str:
@@ -330,43 +326,3 @@ def ref_key(ref: Any) -> str:
     if not isinstance(segment, dict):
         return repr(ref)
     return f"{segment.get('path')}@{segment.get('offset')}#{manifest.get('ordinal', ref.get('index'))}"
-
-
-def root_labels(view: QueueView, positions: set[int]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """Names of the queue's roots for messages: by reference (``ref_key``), and by pack for the
-    packs unacknowledged accepted results recorded at completion. Names, not a second root
-    computation: what is a root is decided by ``root_refs`` alone."""
-    by_ref: dict[str, list[str]] = {}
-    by_pack: dict[str, list[str]] = {}
-    state = view.state
-    if state is None:
-        return by_ref, by_pack
-
-    def name(ref: Any, label: str) -> None:
-        by_ref.setdefault(ref_key(ref), []).append(label)
-
-    for task_id, task in state.tasks.items():
-        if task.spec.input_ref is not None:
-            name(as_dict(task.spec.input_ref), f"input of task {task_id!r}")
-    for (task_id, attempt_id), inputs in state.read_inputs.items():
-        for ref in inputs:
-            name(ref, f"input read by task {task_id!r} attempt {attempt_id[:12]}")
-    acknowledged = _acknowledged(state, positions)
-    for position, commit in enumerate(state.commits):
-        if acknowledged(position):
-            continue
-        label = f"result of task {commit.get('task_id')!r} (accepted at position {position})"
-        name(commit.get("result_ref"), label)
-        for pack in state.packs_at(position):
-            by_pack.setdefault(pack, []).append(label)
-    for consumer_id, consumer in state.consumers.items():
-        for key in ("state_ref", "progress_ref"):
-            if consumer.state is not None and key in consumer.state:
-                name(consumer.state[key], f"{key} of consumer {consumer_id!r}")
-    for batch_id, batch in state.batches.items():
-        for key in ("plan_ref", "ready_ref"):
-            if batch.get(key) is not None:
-                name(batch[key], f"{key} of batch {batch_id!r}")
-    for checkpoint_id, entry in state.checkpoints.items():
-        name(entry.get("checkpoint_ref"), f"checkpoint {checkpoint_id!r}")
-    return by_ref, by_pack

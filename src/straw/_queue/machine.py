@@ -20,7 +20,7 @@ import gc
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ..errors import (
     CorruptData,
@@ -30,31 +30,32 @@ from ..errors import (
     QueueError,
     ResourceLimitExceeded,
     StaleAttempt,
-    StorageUnavailable,
-    UnsafeRecovery,
     UnsupportedSchema,
     invariant,
 )
 from ..limits import TASK_METADATA_BYTES_MAX
-from ..protocol import Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
+from ..protocol import AcquireStatus, Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
+from . import events as ev
 from .commits import CommitLog
+from .events import Answer as Answer  # re-exported: the event types live in ``events``
+from .events import Event as Event
+from .events import Receipt
 from .history import History, HistoryFile, Opener, open_files
 from .index import Key, PendingIndex, pending_key
+from .ledger import Acked as Acked  # re-exported: the ledger's types, where callers found them
+from .ledger import Consumer as Consumer
+from .ledger import Ledger, check_cursors
+from .progress import Acknowledged
 
-Event = dict[str, Any]
+#: What needs a GC root (``QueueState.roots``), named for messages by ``describe_root``.
+Label = tuple[Any, ...]
+
 NewId = Callable[[], str]
 #: One entry of ``complete_tasks``: lease, submission id, result, its digest, the packs it reaches.
 Completion = tuple[Lease, str, RecordSetRef, str, Iterable[str]]
 #: What ``check_complete_many`` plans for an entry: its known receipt, or its place in the event.
 Planned = tuple[str, Any]
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A check's reply that needs no event: an idempotent repeat or a status (nothing to journal)."""
-
-    value: Any
 
 
 PENDING, LEASED, COMPLETED, FAILED, CANCELLED = "pending", "leased", "completed", "failed", "cancelled"
@@ -108,21 +109,38 @@ class Task:
         return result
 
 
-#: What the training consumer acknowledges: (processed_cursor, processed_positions above it).
-Acked = tuple[int, frozenset[int]]
-
-
 @dataclass
-class Consumer:
-    owner: str
-    token: str
-    open: bool = True
-    state: dict[str, Any] | None = None
+class Roots:
+    """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as dicts,
+    and packs already known (those of accepted results, recorded when accepted). Built with
+    ``labels``, it also says what needs each one (``describe_root`` names a label): the
+    labels ``straw check`` prints come from the very computation that decides the roots."""
+
+    refs: list[dict[str, Any]] = field(default_factory=list)
+    packs: set[str] = field(default_factory=set)
+    ref_labels: list[Label] | None = None
+    pack_labels: dict[str, list[Label]] | None = None
+
+    def add(self, label: Label, ref: dict[str, Any]) -> None:
+        self.refs.append(ref)
+        if self.ref_labels is not None:
+            self.ref_labels.append(label)
+
+    def add_packs(self, label: Label, packs: Iterable[str]) -> None:
+        self.packs.update(packs)
+        if self.pack_labels is not None:
+            for pack in packs:
+                self.pack_labels.setdefault(pack, []).append(label)
 
 
 @dataclass
 class QueueState:
-    """Everything the queue knows; rebuilt exactly by replaying its events."""
+    """Everything the queue knows; rebuilt exactly by replaying its events.
+
+    Two parts: the task lifecycle (tasks, leases, the pending indexes, accepted receipts and
+    idempotent requests) is this class; what consumers declared about accepted results
+    (consumers, batches, checkpoints, released history) is its :class:`Ledger`.
+    """
 
     run_id: str
     queue_id: str
@@ -148,16 +166,8 @@ class QueueState:
     #: Inputs each outstanding read was granted (and later given by save_task_progress): the
     #: holder may still read any of them, whatever the task's input is now (GC roots).
     read_inputs: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
-    consumers: dict[str, Consumer] = field(default_factory=dict)
-    batches: dict[str, dict[str, Any]] = field(default_factory=dict)
-    checkpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
-    #: Accepted history the queue stopped owning (docs/QUEUE.md "Released history"): every
-    #: position below ``released_cursor`` and those in ``released_positions`` (all above it).
-    #: Set by ``collect_garbage`` to what the training consumer had acknowledged; a rewind of
-    #: that consumer takes positions back (the queue owns them again).
-    released_cursor: int = 0
-    released_positions: frozenset[int] = frozenset()
     #: Packs each named reference reaches (``ref_key`` -> packs, or 0 for just its manifest's
     #: pack), journaled with the call that named it: collecting garbage, even right after a
     #: recovery, reads nothing to know a root's packs (docs/GC.md "Queue roots").
@@ -310,12 +320,8 @@ class QueueState:
             producers=dict(self.producers),
             reads=dict(self.reads),
             read_inputs={key: list(inputs) for key, inputs in self.read_inputs.items()},
-            consumers={k: Consumer(c.owner, c.token, c.open, c.state) for k, c in self.consumers.items()},
-            batches={k: dict(batch) for k, batch in self.batches.items()},
-            checkpoints={k: dict(entry) for k, entry in self.checkpoints.items()},
+            ledger=self.ledger.copy(),
             counts=dict(self.counts),
-            released_cursor=self.released_cursor,
-            released_positions=self.released_positions,
             ref_packs=dict(self.ref_packs),
             history=History(self.history.files),
             unfinished=set(self.unfinished),
@@ -360,10 +366,8 @@ class QueueState:
             raise IdempotencyConflict(f"request id {request_id!r} was already used for a different request")
         return True, seen
 
-    def _remember(self, event: Event, reply: R) -> R:
-        request_id = event.get("request_id")
-        if request_id is not None:
-            self.requests[request_id] = (event["fingerprint"], reply)
+    def _remember(self, request_id: str, fingerprint: str, reply: R) -> R:
+        self.requests[request_id] = (fingerprint, reply)
         return reply
 
     def task(self, task_id: str) -> Task:
@@ -418,7 +422,7 @@ class QueueState:
         tasks: Sequence[TaskSpec],
         producer_id: str | None,
         producer_state: Any,
-    ) -> Event | Answer:
+    ) -> ev.Submit | Answer[list[str]]:
         specs = list(tasks)
         for spec in specs:
             if not isinstance(spec, TaskSpec):
@@ -443,40 +447,38 @@ class QueueState:
                 )
         if self.sealed and specs:
             raise ValueError("input is sealed (seal_input was called); no new tasks are accepted")
-        return {
-            "op": "submit",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "refs": refs,
-            "tasks": rows,
-            "producer_id": producer_id,
-            "producer_state": producer_state,
-            # Not journaled (keys starting with "_" are live-only): the checked specs themselves,
-            # so applying live does not rebuild what replay must rebuild from "tasks". A spec
-            # with metadata gets our own copy: the caller may mutate its dict later.
-            "_specs": [
+        return ev.Submit(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            refs=refs,
+            tasks=rows,
+            producer_id=producer_id,
+            producer_state=producer_state,
+            # Live only (never journaled): the checked specs. A spec with metadata gets our
+            # own copy: the caller may mutate its dict later.
+            specs=[
                 spec
                 if not spec.metadata
                 else dataclasses.replace(spec, metadata=copy.deepcopy(spec.metadata))
                 for spec in specs
             ],
-        }
+        )
 
-    def _apply_submit(self, event: Event) -> list[str]:
+    def _apply_submit(self, event: ev.Submit) -> list[str]:
         ids = []
-        specs = event.get("_specs")
+        specs = event.specs
         if specs is None:
-            specs = _expand_specs(event["refs"], event["tasks"])
+            specs = _expand_specs(event.refs, event.tasks)
         for spec in specs:
-            task = Task(spec, event["request_id"])
+            task = Task(spec, event.request_id)
             self.tasks[spec.task_id] = task
             self.unfinished.add(spec.task_id)
             self.counts[PENDING] += 1
             self._enqueue(task)
             ids.append(spec.task_id)
-        if event["producer_id"] is not None:
-            self.producers[event["producer_id"]] = event["producer_state"]
-        return self._remember(event, ids)
+        if event.producer_id is not None:
+            self.producers[event.producer_id] = event.producer_state
+        return self._remember(event.request_id, event.fingerprint, ids)
 
     # ------------------------------------------------------------------ acquire and leases
 
@@ -531,7 +533,7 @@ class QueueState:
         now: float,
         lease_seconds: float,
         new_id: NewId,
-    ) -> Event | Answer:
+    ) -> ev.Acquire | Answer[list[Lease] | AcquireStatus]:
         """An acquire event, or the status string when nothing can be handed out."""
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
@@ -565,27 +567,23 @@ class QueueState:
         if not chosen and not reclaimed:
             return Answer(self._idle_status())
         grants = [[t, new_id(), new_id()] for t in chosen]
-        return {
-            "op": "acquire",
-            "worker_id": worker_id,
-            "reclaimed": reclaimed,
-            "grants": grants,
-            "deadline": now + lease_seconds,
-        }
+        return ev.Acquire(
+            worker_id=worker_id, reclaimed=reclaimed, grants=grants, deadline=now + lease_seconds
+        )
 
     def drained_input(self) -> bool:
         """Sealed, and nothing pending (control tasks included) or leased."""
         return self.sealed and not len(self.pending) and not len(self.control) and not self.counts[LEASED]
 
-    def _idle_status(self) -> str:
+    def _idle_status(self) -> AcquireStatus:
         if self.drained_input():
             return "end_of_input"
         return "empty"
 
-    def _apply_acquire(self, event: Event) -> list[Lease]:
-        self._reclaim(event["reclaimed"], "lease expired")
+    def _apply_acquire(self, event: ev.Acquire) -> list[Lease]:
+        self._reclaim(event.reclaimed, "lease expired")
         leases = []
-        for task_id, attempt_id, token in event["grants"]:
+        for task_id, attempt_id, token in event.grants:
             task = self.tasks[task_id]
             self._move(task, "acquire", LEASED)  # checks the transition before touching the index
             self._dequeue(task)
@@ -598,9 +596,9 @@ class QueueState:
                 generation=task.generation,
                 coordinator_epoch=self.epoch,
                 token=token,
-                worker_id=event["worker_id"],
+                worker_id=event.worker_id,
             )
-            task.deadline = event["deadline"]
+            task.deadline = event.deadline
             heapq.heappush(self.expiry, (task.deadline, task_id, attempt_id))
             if task.spec.input_ref is not None:
                 self.reads[(task_id, attempt_id)] = task.lease
@@ -650,7 +648,7 @@ class QueueState:
 
     def precheck_complete(
         self, lease: Lease, submission_id: str, result_ref: RecordSetRef, result_digest: str, now: float
-    ) -> Answer | None:
+    ) -> Answer[Receipt] | None:
         """The cheap part of :meth:`check_complete`: a known submission's receipt, or the first error."""
         position = self.position_of(submission_id)
         if position is not None:
@@ -675,7 +673,7 @@ class QueueState:
         now: float,
         new_id: NewId,
         packs: Iterable[str] = (),
-    ) -> Event | Answer:
+    ) -> ev.Complete | Answer[Receipt]:
         """A complete event, or the original receipt of a retried submission.
 
         ``packs`` are the packs the result reaches (the shell computed them while
@@ -691,40 +689,39 @@ class QueueState:
         task = self.current(lease, now)
         if result_ref.records == 0 and not task.spec.allow_empty:
             raise ValueError(f"task {lease.task_id!r} does not allow an empty result (allow_empty=False)")
-        return {
-            "op": "complete",
-            "task_id": lease.task_id,
-            "attempt_id": lease.attempt_id,
-            "submission_id": submission_id,
-            "commit_id": new_id(),
-            "digest": result_digest,
-            "result_ref": as_dict(result_ref),
-            "packs": sorted(packs),
-        }
+        return ev.Complete(
+            task_id=lease.task_id,
+            attempt_id=lease.attempt_id,
+            submission_id=submission_id,
+            commit_id=new_id(),
+            digest=result_digest,
+            result_ref=as_dict(result_ref),
+            packs=sorted(packs),
+        )
 
-    def _apply_complete(self, event: Event) -> dict[str, Any]:
-        task = self.tasks[event["task_id"]]
-        invariant(task.lease is not None and task.lease.attempt_id == event["attempt_id"], "completing lease")
+    def _apply_complete(self, event: ev.Complete) -> Receipt:
+        task = self.tasks[event.task_id]
+        invariant(task.lease is not None and task.lease.attempt_id == event.attempt_id, "completing lease")
         self._move(task, "complete", COMPLETED)
-        self._end_read((event["task_id"], event["attempt_id"]))
-        receipt = {
-            "commit_id": event["commit_id"],
-            "task_id": event["task_id"],
-            "submission_id": event["submission_id"],
-            "digest": event["digest"],
+        self._end_read((event.task_id, event.attempt_id))
+        receipt: Receipt = {
+            "commit_id": event.commit_id,
+            "task_id": event.task_id,
+            "submission_id": event.submission_id,
+            "digest": event.digest,
             "position": len(self.commits),
-            "result_ref": event["result_ref"],
+            "result_ref": event.result_ref,
         }
         self.commits.append(receipt)
         self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
-        self.commit_packs.append(list(event.get("packs", ())))
-        self.submissions[event["submission_id"]] = receipt["position"]
+        self.commit_packs.append(list(event.packs or ()))
+        self.submissions[event.submission_id] = receipt["position"]
         self._prune_expiry()
         return receipt
 
     def check_complete_many(
         self, entries: Sequence[Completion], now: float, new_id: NewId, *, precheck: bool = False
-    ) -> tuple[Event | None, list[Planned]]:
+    ) -> tuple[ev.CompleteMany | None, list[Planned]]:
         """``complete_tasks``: each entry checked exactly as :meth:`check_complete` would, in order,
         as if the earlier entries had been applied; the first error raises and nothing is done.
 
@@ -735,7 +732,8 @@ class QueueState:
         :meth:`precheck_complete` run (before the results are validated) and no event is made.
         """
         plans: list[Planned] = []
-        completes: list[Event] = []
+        completes: list[ev.Complete] = []
+        new = 0  # entries planned as new (with ``precheck``, no event is made for them yet)
         fresh: dict[str, tuple[int, str, str]] = {}  # submission id -> (k, task id, digest)
         taken: set[str] = set()  # tasks completed by an earlier entry of this batch
         for number, entry in enumerate(entries):
@@ -755,7 +753,7 @@ class QueueState:
                         f"task {lease.task_id!r} is completed by an earlier entry of this batch; "
                         f"attempt {lease.attempt_id!r} is no longer current"
                     )
-                found: Event | Answer | None
+                found: ev.Complete | Answer[Receipt] | None
                 if precheck:
                     found = self.precheck_complete(lease, submission_id, result_ref, result_digest, now)
                 else:
@@ -768,54 +766,54 @@ class QueueState:
             if isinstance(found, Answer):
                 plans.append(("known", found.value))
                 continue
-            if found is None:
-                found = {}  # a precheck: the entry is new, its event is made after validation
-            found.pop("op", None)
-            fresh[submission_id] = (len(completes), lease.task_id, result_digest)
+            if found is not None:  # None: a precheck (the event is made after validation)
+                completes.append(found)
+            fresh[submission_id] = (new, lease.task_id, result_digest)
             taken.add(lease.task_id)
-            plans.append(("new", len(completes)))
-            completes.append(found)
-        event = {"op": "complete_many", "completes": completes} if completes and not precheck else None
+            plans.append(("new", new))
+            new += 1
+        event = ev.CompleteMany(completes=completes) if completes and not precheck else None
         return event, plans
 
-    def _apply_complete_many(self, event: Event) -> list[dict[str, Any]]:
+    def _apply_complete_many(self, event: ev.CompleteMany) -> list[Receipt]:
         """The completions of one ``complete_tasks`` transaction, in order (their receipts)."""
-        return [self._apply_complete(item) for item in event["completes"]]
+        return [self._apply_complete(item) for item in event.completes]
 
     # ------------------------------------------------------------------ returning work
 
     def check_fail(
         self, lease: Lease, request_id: str, failure: str, retryable: bool, now: float
-    ) -> Event | Answer:
+    ) -> ev.Fail | Answer[str]:
         fingerprint = digest(["fail", lease.task_id, lease.attempt_id, str(failure), bool(retryable)])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(str(reply[1]))
         self.current(lease, now)
-        return {
-            "op": "fail",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "task_id": lease.task_id,
-            "attempt_id": lease.attempt_id,
-            "failure": str(failure),
-            "retryable": bool(retryable),
-        }
+        return ev.Fail(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            task_id=lease.task_id,
+            attempt_id=lease.attempt_id,
+            failure=str(failure),
+            retryable=bool(retryable),
+        )
 
-    def _apply_fail(self, event: Event) -> str:
-        task = self.tasks[event["task_id"]]
+    def _apply_fail(self, event: ev.Fail) -> str:
+        task = self.tasks[event.task_id]
         task.failures += 1
-        task.failure = event["failure"]
-        self._end_read((event["task_id"], event["attempt_id"]))
-        if not event["retryable"] or task.failures >= task.spec.max_attempts:
+        task.failure = event.failure
+        self._end_read((event.task_id, event.attempt_id))
+        if not event.retryable or task.failures >= task.spec.max_attempts:
             self._move(task, "fail", FAILED)
         else:
             self._move(task, "fail", PENDING)
             self._enqueue(task)
         self._prune_expiry()
-        return self._remember(event, task.state)
+        return self._remember(event.request_id, event.fingerprint, task.state)
 
-    def check_release(self, leases: Sequence[Lease], request_id: str, now: float) -> Event | Answer:
+    def check_release(
+        self, leases: Sequence[Lease], request_id: str, now: float
+    ) -> ev.Release | Answer[list[str]]:
         leases = list(leases)
         pairs = self._lease_pairs(leases)
         if len({tuple(p) for p in pairs}) != len(pairs):
@@ -831,16 +829,15 @@ class QueueState:
                 outcomes.append("released")
             except (StaleAttempt, InvalidReference):
                 outcomes.append("StaleAttempt")
-        return {
-            "op": "release",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "leases": self._lease_pairs(leases),
-            "outcomes": outcomes,
-        }
+        return ev.Release(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            leases=self._lease_pairs(leases),
+            outcomes=outcomes,
+        )
 
-    def _apply_release(self, event: Event) -> list[str]:
-        for (task_id, attempt_id), outcome in zip(event["leases"], event["outcomes"], strict=True):
+    def _apply_release(self, event: ev.Release) -> list[str]:
+        for (task_id, attempt_id), outcome in zip(event.leases, event.outcomes, strict=True):
             if outcome != "released":
                 continue
             task = self.tasks[task_id]
@@ -848,11 +845,11 @@ class QueueState:
             self._move(task, "release", PENDING)
             self._enqueue(task)
         self._prune_expiry()
-        return self._remember(event, list(event["outcomes"]))
+        return self._remember(event.request_id, event.fingerprint, list(event.outcomes))
 
     def check_yield(
         self, updates: Sequence[Mapping[str, Any]], request_id: str, now: float
-    ) -> Event | Answer:
+    ) -> ev.Yield | Answer[list[str]]:
         """All-or-nothing: every lease must be current (expired leases may still yield)."""
         normal = []
         for update in updates:
@@ -879,21 +876,21 @@ class QueueState:
             _check_task_metadata(_replace_spec(task.spec, item))  # validates priority and metadata
         if len({item["task_id"] for item in normal}) != len(normal):
             raise ValueError("yield_tasks got the same task twice")
-        return {"op": "yield", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
+        return ev.Yield(request_id=request_id, fingerprint=fingerprint, updates=normal)
 
-    def _apply_yield(self, event: Event) -> list[str]:
-        for item in event["updates"]:
+    def _apply_yield(self, event: ev.Yield) -> list[str]:
+        for item in event.updates:
             task = self.tasks[item["task_id"]]
             self._end_read((item["task_id"], item["attempt_id"]))
             task.spec = _replace_spec(task.spec, item)
             self._move(task, "yield", PENDING)
             self._enqueue(task)
         self._prune_expiry()
-        return self._remember(event, [PENDING] * len(event["updates"]))
+        return self._remember(event.request_id, event.fingerprint, [PENDING] * len(event.updates))
 
     def check_progress(
         self, updates: Sequence[Mapping[str, Any]], request_id: str, now: float
-    ) -> Event | Answer:
+    ) -> ev.Progress | Answer[list[str]]:
         normal = []
         for update in updates:
             lease, ref = update["lease"], update["input_ref"]
@@ -908,10 +905,10 @@ class QueueState:
             return Answer(list(reply[1]))
         for update in updates:
             self.current(update["lease"], now)
-        return {"op": "progress", "request_id": request_id, "fingerprint": fingerprint, "updates": normal}
+        return ev.Progress(request_id=request_id, fingerprint=fingerprint, updates=normal)
 
-    def _apply_progress(self, event: Event) -> list[str]:
-        for item in event["updates"]:
+    def _apply_progress(self, event: ev.Progress) -> list[str]:
+        for item in event.updates:
             task = self.tasks[item["task_id"]]
             self._move(task, "progress", LEASED)
             task.spec = _replace_spec(task.spec, {"input_ref": item["input_ref"]})
@@ -919,78 +916,78 @@ class QueueState:
                 key = (item["task_id"], item["attempt_id"])
                 self.reads[key] = task.lease
                 self.read_inputs.setdefault(key, []).append(item["input_ref"])
-        return self._remember(event, [LEASED] * len(event["updates"]))
+        return self._remember(event.request_id, event.fingerprint, [LEASED] * len(event.updates))
 
-    def check_cancel(self, task_id: str, request_id: str) -> Event | Answer:
+    def check_cancel(self, task_id: str, request_id: str) -> ev.Cancel | Answer[str]:
         fingerprint = digest(["cancel", task_id])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(str(reply[1]))
         if self.find_task(task_id) is None:
             raise KeyError(f"unknown task {task_id!r}")  # changes nothing
-        return {"op": "cancel", "request_id": request_id, "fingerprint": fingerprint, "task_id": task_id}
+        return ev.Cancel(request_id=request_id, fingerprint=fingerprint, task_id=task_id)
 
-    def _apply_cancel(self, event: Event) -> str:
-        task = self.find_task(event["task_id"])
+    def _apply_cancel(self, event: ev.Cancel) -> str:
+        task = self.find_task(event.task_id)
         if task is None:
-            raise CorruptData(f"the journal cancels task {event['task_id']!r}, which the queue never knew")
+            raise CorruptData(f"the journal cancels task {event.task_id!r}, which the queue never knew")
         if task.state == PENDING:
             self._dequeue(task)
             self._move(task, "cancel", CANCELLED)
         elif task.state == LEASED:
             self._move(task, "cancel", CANCELLED)
             self._prune_expiry()
-        return self._remember(event, task.state)
+        return self._remember(event.request_id, event.fingerprint, task.state)
 
-    def check_seal(self, request_id: str) -> Event | Answer:
+    def check_seal(self, request_id: str) -> ev.Seal | Answer[bool]:
         fingerprint = digest(["seal"])
         seen, _ = self._request(request_id, fingerprint)
         if seen:
             return Answer(True)
-        return {"op": "seal", "request_id": request_id, "fingerprint": fingerprint}
+        return ev.Seal(request_id=request_id, fingerprint=fingerprint)
 
-    def _apply_seal(self, event: Event) -> bool:
+    def _apply_seal(self, event: ev.Seal) -> bool:
         self.sealed = True
-        return bool(self._remember(event, True))
+        return self._remember(event.request_id, event.fingerprint, True)
 
-    def _apply_drain(self, event: Event) -> bool:
+    def _apply_drain(self, event: ev.Drain) -> bool:
         self.draining = True
         return True
 
     # ------------------------------------------------------------------ workers and reads
 
-    def check_retire(self, worker_id: str) -> Event:
+    def check_retire(self, worker_id: str) -> ev.Retire:
         leased = [
             [t.spec.task_id, t.lease.attempt_id]
             for t in self.tasks.values()
             if t.state == LEASED and t.lease is not None and t.lease.worker_id == worker_id
         ]
         reads = [list(key) for key, lease in self.reads.items() if lease.worker_id == worker_id]
-        return {"op": "retire", "worker_id": worker_id, "leased": leased, "reads": reads}
+        return ev.Retire(worker_id=worker_id, leased=leased, reads=reads)
 
-    def _apply_retire(self, event: Event) -> list[dict[str, Any]]:
-        self._reclaim(event["leased"], f"worker {event['worker_id']} retired")
-        for task_id, attempt_id in event["reads"]:
+    def _apply_retire(self, event: ev.Retire) -> list[Receipt]:
+        self._reclaim(event.leased, f"worker {event.worker_id} retired")
+        for task_id, attempt_id in event.reads:
             self._end_read((task_id, attempt_id))
-        worker = event["worker_id"]
+        worker = event.worker_id
         on_disk = [p for file in self.history.files for p in file.meta()["workers"].get(worker, ())]
         base = self.commits.base
         in_memory = [p for p, w in enumerate(self.commit_workers, base) if w == worker]
         return [self.commits[p] for p in on_disk + in_memory]
 
-    def check_release_reads(self, leases: Sequence[Lease]) -> Event:
-        return {"op": "release_reads", "reads": self._lease_pairs(list(leases))}
+    def check_release_reads(self, leases: Sequence[Lease]) -> ev.ReleaseReads:
+        return ev.ReleaseReads(reads=self._lease_pairs(list(leases)))
 
-    def _apply_release_reads(self, event: Event) -> int:
+    def _apply_release_reads(self, event: ev.ReleaseReads) -> int:
         released = 0
-        for task_id, attempt_id in event["reads"]:
+        for task_id, attempt_id in event.reads:
             released += self._end_read((task_id, attempt_id))
         return released
 
-    def _apply_epoch(self, event: Event) -> int:
+    def _apply_epoch(self, event: ev.Epoch) -> int:
         """Recovery: a new coordinator epoch revokes every lease (each spends an attempt)."""
-        invariant(event["epoch"] > self.epoch, "epochs only grow")
-        self.epoch = event["epoch"]
+        invariant(event.epoch > self.epoch, "epochs only grow")
+        self.epoch = event.epoch
         leased = [
             [t.spec.task_id, t.lease.attempt_id]
             for t in self.tasks.values()
@@ -998,46 +995,10 @@ class QueueState:
         ]
         self._reclaim(leased, f"revoked by recovery (epoch {self.epoch})")
         self.draining = False
-        # Recovery also ends every consumer's ownership (its token is revoked, its state kept):
-        # whoever now declares itself the owner may open it.
-        for consumer in self.consumers.values():
-            consumer.open = False
+        self.ledger.revoke_owners()  # recovery also ends every consumer's ownership
         return self.epoch
 
-    # ------------------------------------------------------------------ consumers, batches, checkpoints
-
-    def check_open_consumer(self, consumer_id: str, owner: str, token: str) -> Event:
-        _check_name(consumer_id, "consumer_id")
-        _check_name(owner, "exclusive_owner")
-        consumer = self.consumers.get(consumer_id)
-        if consumer is not None and consumer.open and consumer.owner != owner:
-            raise UnsafeRecovery(
-                f"consumer {consumer_id!r} is open by owner {consumer.owner!r}; a second live owner is "
-                "refused: close it, or recover the coordinator once that owner is known to be stopped"
-            )
-        return {"op": "open_consumer", "consumer_id": consumer_id, "owner": owner, "token": token}
-
-    def _apply_open_consumer(self, event: Event) -> str:
-        old = self.consumers.get(event["consumer_id"])
-        state = old.state if old is not None else None
-        self.consumers[event["consumer_id"]] = Consumer(event["owner"], event["token"], True, state)
-        return str(event["token"])
-
-    def consumer(self, consumer_id: str, token: str) -> Consumer:
-        consumer = self.consumers.get(consumer_id)
-        if consumer is None:
-            raise KeyError(f"unknown consumer {consumer_id!r}; open_consumer first")
-        if not consumer.open or consumer.token != token:
-            raise StaleAttempt(f"token of consumer {consumer_id!r} is not current; reopen the consumer")
-        return consumer
-
-    def check_close_consumer(self, consumer_id: str, token: str) -> Event:
-        self.consumer(consumer_id, token)
-        return {"op": "close_consumer", "consumer_id": consumer_id}
-
-    def _apply_close_consumer(self, event: Event) -> bool:
-        self.consumers[event["consumer_id"]].open = False
-        return True
+    # ------------------------------------------------------------------ the ledger's calls
 
     def check_save_consumer(
         self,
@@ -1047,112 +1008,31 @@ class QueueState:
         state: dict[str, Any],
         acked: Acked | None = None,
         verified: frozenset[int] = frozenset(),
-    ) -> Event | Answer:
+    ) -> ev.SaveConsumer | Answer[Any]:
         """``acked``: what the new state acknowledges, for the training consumer; ``verified``:
         released positions the caller checked are still readable and owns again (a rewind)."""
         fingerprint = digest(["consumer", consumer_id, state])
         seen, reply = self._request(request_id, fingerprint)
         if seen:
             return Answer(reply[1])
-        self.consumer(consumer_id, token)
-        _check_cursors(state, len(self.commits))
-        event: Event = {
-            "op": "save_consumer",
-            "request_id": request_id,
-            "fingerprint": fingerprint,
-            "consumer_id": consumer_id,
-            "state": state,
-        }
-        self._rewind_into(event, acked, verified)
-        return event
+        self.ledger.consumer(consumer_id, token)
+        check_cursors(state, len(self.commits))
+        return ev.SaveConsumer(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            consumer_id=consumer_id,
+            state=state,
+            released=self.ledger.rewound(acked, verified),
+        )
 
-    def _rewind_into(self, event: Event, acked: Acked | None, verified: frozenset[int]) -> None:
-        """A rewind takes released history back: the event carries the new released set."""
-        if acked is None:
-            return
-        back = self.reowned_by(acked)
-        missing = [p for p in back if p not in verified]
-        if missing:
-            raise StorageUnavailable(
-                f"accepted position {missing[0]} was released while this call checked the history; retry"
-            )
-        if back:
-            cursor, positions = self.released_after(acked)
-            event["released"] = [cursor, sorted(positions)]
+    def _apply_save_consumer(self, event: ev.SaveConsumer) -> dict[str, Any]:
+        state = self.ledger.apply_save_consumer(event)
+        return self._remember(event.request_id, event.fingerprint, state)
 
-    def _apply_save_consumer(self, event: Event) -> Any:
-        self.consumers[event["consumer_id"]].state = event["state"]
-        self._apply_released(event)
-        return self._remember(event, event["state"])
-
-    def _apply_released(self, event: Event) -> None:
-        released = event.get("released")
-        if released is not None:
-            self.released_cursor, self.released_positions = int(released[0]), frozenset(released[1])
-
-    # -- released history ----------------------------------------------------------------
-
-    def has_released(self) -> bool:
-        return bool(self.released_cursor or self.released_positions)
-
-    def is_released(self, position: int) -> bool:
-        return position < self.released_cursor or position in self.released_positions
-
-    def first_released(self, start: int, stop: int) -> int | None:
-        """The first released position in ``start..stop-1``, if any."""
-        if start >= stop:
-            return None
-        if start < self.released_cursor:
-            return start
-        inside = [p for p in self.released_positions if start <= p < stop]
-        return min(inside) if inside else None
-
-    def released_after(self, acked: Acked) -> tuple[int, frozenset[int]]:
-        """The released set once the training consumer acknowledges only ``acked``: what was
-        released and is still acknowledged (an intersection; it never grows here)."""
-        c_r, p_r = self.released_cursor, self.released_positions
-        c_a, p_a = acked
-        if c_r <= c_a:
-            return c_r, frozenset(p for p in p_r if p < c_a or p in p_a)
-        return c_a, frozenset(p for p in p_a if p < c_r or p in p_r)
-
-    def reowned_by(self, acked: Acked) -> list[int]:
-        """Released positions that ``acked`` no longer acknowledges (a rewind takes them back)."""
-        c_r, p_r = self.released_cursor, self.released_positions
-        c_a, p_a = acked
-        back = {p for p in p_r if p >= c_a and p not in p_a}
-        back.update(p for p in range(c_a, c_r) if p not in p_a)
-        return sorted(back)
-
-    def check_release_history(self, acked: Acked) -> Event | None:
-        """``collect_garbage`` stops owning what the training consumer acknowledged."""
-        cursor, positions = acked
-        positions = frozenset(p for p in positions if p >= cursor)
-        if (cursor, positions) == (self.released_cursor, self.released_positions):
-            return None
-        return {"op": "release_history", "released": [cursor, sorted(positions)]}
-
-    def _apply_release_history(self, event: Event) -> None:
-        self._apply_released(event)
-
-    def check_plan_batch(self, consumer_id: str, token: str, batch: dict[str, Any]) -> Event | Answer:
-        self.consumer(consumer_id, token)
-        existing = self.batches.get(batch["batch_id"])
-        if existing is not None:
-            if {k: existing[k] for k in batch} != batch:
-                raise IdempotencyConflict(f"batch {batch['batch_id']!r} was already planned differently")
-            return Answer(existing)
-        positions = batch["input_positions"]
-        if any(
-            not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(self.commits) for p in positions
-        ):
-            raise ValueError(f"input_positions must name accepted results (0..{len(self.commits) - 1})")
-        return {"op": "plan_batch", "batch": batch}
-
-    def _apply_plan_batch(self, event: Event) -> dict[str, Any]:
-        batch = dict(event["batch"], ready=False)
-        self.batches[batch["batch_id"]] = batch
-        return batch
+    def check_plan_batch(
+        self, consumer_id: str, token: str, batch: dict[str, Any]
+    ) -> ev.PlanBatch | Answer[dict[str, Any]]:
+        return self.ledger.check_plan_batch(consumer_id, token, batch, len(self.commits))
 
     def check_batch_ready(
         self,
@@ -1163,95 +1043,55 @@ class QueueState:
         state: dict[str, Any],
         acked: Acked | None = None,
         verified: frozenset[int] = frozenset(),
-    ) -> Event | Answer:
-        consumer = self.consumer(consumer_id, token)
-        batch = self.batches.get(batch_id)
-        if batch is None:
-            raise KeyError(f"unknown batch {batch_id!r}; plan_batch first")
-        if batch["consumer_id"] != consumer_id:
-            raise InvalidReference(f"batch {batch_id!r} belongs to consumer {batch['consumer_id']!r}")
-        if batch["ready"]:
-            if batch["ready_ref"] != ready_ref:
-                raise IdempotencyConflict(f"batch {batch_id!r} is already ready with another result")
-            return Answer({"batch_id": batch_id, "ready_ref": batch["ready_ref"], "state": consumer.state})
-        _check_cursors(state, len(self.commits))
-        event: Event = {
-            "op": "batch_ready",
-            "consumer_id": consumer_id,
-            "batch_id": batch_id,
-            "ready_ref": ready_ref,
-            "state": state,
-        }
-        self._rewind_into(event, acked, verified)
-        return event
-
-    def _apply_batch_ready(self, event: Event) -> dict[str, Any]:
-        batch = self.batches[event["batch_id"]]
-        batch["ready"] = True
-        batch["ready_ref"] = event["ready_ref"]
-        self.consumers[event["consumer_id"]].state = event["state"]
-        self._apply_released(event)
-        return {"batch_id": event["batch_id"], "ready_ref": event["ready_ref"], "state": event["state"]}
-
-    def _apply_register_checkpoint(self, event: Event) -> dict[str, Any]:
-        entry = {"checkpoint_id": event["checkpoint_id"], "checkpoint_ref": event["checkpoint_ref"]}
-        if event.get("batch_ids"):
-            entry["batch_ids"] = list(event["batch_ids"])  # what it trained on (accounting only)
-        self.checkpoints[event["checkpoint_id"]] = entry
-        return entry
-
-    def _apply_release_checkpoint(self, event: Event) -> bool:
-        return self.checkpoints.pop(event["checkpoint_id"], None) is not None
+    ) -> ev.BatchReady | Answer[dict[str, Any]]:
+        commits = len(self.commits)
+        return self.ledger.check_batch_ready(
+            consumer_id, token, batch_id, ready_ref, state, commits, acked, verified
+        )
 
     # ------------------------------------------------------------------ dispatch
 
-    def apply(self, event: Event) -> Any:
-        """Perform one event (live or replayed). Unknown ops are a bug or a newer journal."""
-        handler = _APPLY.get(event.get("op", ""))
-        invariant(handler is not None, f"event op {event.get('op')!r} is known")
-        reply = handler(self, event)  # type: ignore[misc]
-        reach = event.get("reach")
-        if reach:
-            self.ref_packs.update(reach)
-        return reply
+    def apply(self, event: ev.Op[R]) -> R:
+        """Perform one event (live or replayed); its reply. Events come from a check or from
+        :func:`events.decode`, which refuses unknown ops, so every type has a handler."""
+        handler = _APPLY.get(type(event))
+        if handler is None:
+            invariant(False, f"event type {type(event).__name__} has a handler")
+            return cast(R, None)  # unreachable: invariant raised
+        reply = handler(self, event)
+        if event.reach:
+            self.ref_packs.update(event.reach)
+        return cast(R, reply)
 
     # ------------------------------------------------------------------ GC roots
 
-    def roots(
-        self, acknowledged: Callable[[int], bool], finished: frozenset[str] | set[str]
-    ) -> tuple[list[dict[str, Any]], set[str]]:
-        """What the queue still needs (docs/GC.md "Queue roots"): references to resolve, as
-        dicts, and packs already known (those of accepted results, recorded when accepted).
-
-        ``acknowledged(position)`` says whether the training consumer processed
-        that accepted result; ``finished`` names batches it finished.
+    def roots(self, acked: Acknowledged, *, labels: bool = False) -> Roots:
+        """What the queue still needs (docs/GC.md "Queue roots"): inputs of live tasks and of
+        outstanding reads, accepted results ``acked`` does not cover (the training consumer's
+        acknowledgement, ``Ledger.acknowledged``), and the ledger's roots. The coordinator's
+        collection and ``straw check`` both call this; ``labels`` records what needs each root.
         """
-        refs: list[dict[str, Any]] = []
-        packs: set[str] = set()
+        out = Roots(ref_labels=[] if labels else None, pack_labels={} if labels else None)
         for task in self.tasks.values():
             if task.state in (PENDING, LEASED) and task.spec.input_ref is not None:
-                refs.append(as_dict(task.spec.input_ref))
-        for inputs in self.read_inputs.values():
-            refs += inputs
-        self._history_roots(acknowledged, refs, packs)
+                out.add(("input", task.spec.task_id), as_dict(task.spec.input_ref))
+        for (task_id, attempt_id), inputs in self.read_inputs.items():
+            for ref in inputs:
+                out.add(("read", task_id, attempt_id), ref)
+        self._history_roots(acked.covers, out)
+        covers, packs = acked.covers, out.packs
         for position, known in enumerate(self.commit_packs, self.commits.base):
-            if not acknowledged(position):
-                if known:
-                    packs.update(known)
+            if not covers(position):
+                if not known:
+                    out.add(("result", position), self.commits[position]["result_ref"])
+                elif labels:
+                    out.add_packs(("result", position), known)
                 else:
-                    refs.append(self.commits[position]["result_ref"])
-        for consumer in self.consumers.values():
-            if consumer.state is not None:
-                refs += [consumer.state[k] for k in ("state_ref", "progress_ref") if k in consumer.state]
-        for batch_id, batch in self.batches.items():
-            if batch_id not in finished:
-                refs += [batch[k] for k in ("plan_ref", "ready_ref") if batch.get(k) is not None]
-        refs += [entry["checkpoint_ref"] for entry in self.checkpoints.values()]
-        return refs, packs
+                    packs.update(known)  # the common case, kept lean: GC holds the lock meanwhile
+        self.ledger.roots(acked.finished, out.add)
+        return out
 
-    def _history_roots(
-        self, acknowledged: Callable[[int], bool], refs: list[dict[str, Any]], packs: set[str]
-    ) -> None:
+    def _history_roots(self, acknowledged: Callable[[int], bool], out: Roots) -> None:
         """Roots among receipts on disk: a pack is needed while any position reaching it is not
         acknowledged (each file lists its packs with their positions, read once per collection)."""
         for file in self.history.files:
@@ -1259,9 +1099,29 @@ class QueueState:
                 continue  # every result of this file processed (or it holds none): no read
             meta = file.meta()
             for pack, positions in meta["packs"].items():
-                if pack not in packs and not all(acknowledged(p) for p in positions):
-                    packs.add(pack)
-            refs.extend(self.commits[p]["result_ref"] for p in meta["unknown"] if not acknowledged(p))
+                if out.pack_labels is not None:
+                    for p in positions:
+                        if not acknowledged(p):
+                            out.add_packs(("result", p), [pack])
+                elif pack not in out.packs and not all(acknowledged(p) for p in positions):
+                    out.packs.add(pack)
+            for p in meta["unknown"]:
+                if not acknowledged(p):
+                    out.add(("result", p), self.commits[p]["result_ref"])
+
+    def describe_root(self, label: Label) -> str:
+        """What a root label names, for messages (``straw check``)."""
+        kind = label[0]
+        if kind == "input":
+            return f"input of task {label[1]!r}"
+        if kind == "read":
+            return f"input read by task {label[1]!r} attempt {label[2][:12]}"
+        if kind == "result":
+            task_id = self.commits[label[1]].get("task_id")
+            return f"result of task {task_id!r} (accepted at position {label[1]})"
+        if kind in ("consumer", "batch"):
+            return f"{label[2]} of {kind} {label[1]!r}"
+        return f"checkpoint {label[1]!r}"
 
     def known_reach(self, refs: Iterable[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], set[str]]:
         """Split root references into those whose packs were journaled (their packs, returned)
@@ -1280,9 +1140,11 @@ class QueueState:
 
     # ------------------------------------------------------------------ views
 
-    def usage(self, acknowledged: Callable[[int], bool], finished: frozenset[str]) -> dict[str, Any]:
+    def usage(self, acked: Acknowledged) -> dict[str, Any]:
         """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
-        results not yet processed, plus the estimates of leased production tasks; ready batches."""
+        results ``acked`` does not cover, plus the estimates of leased production tasks; ready
+        batches (the ledger's)."""
+        acknowledged = acked.covers
         unprocessed = {"records": 0, "bytes": 0, "tokens": 0}
 
         def add(records: int, payload_bytes: int, tokens: int) -> None:
@@ -1314,16 +1176,7 @@ class QueueState:
             reserved["records"] += task.spec.estimated_records
             reserved["bytes"] += task.spec.estimated_bytes
             reserved["tokens"] += task.spec.estimated_tokens
-        ready = {"records": 0, "bytes": 0, "tokens": 0}
-        trained = set(finished)
-        for entry in self.checkpoints.values():
-            trained.update(entry.get("batch_ids", ()))
-        for batch_id, batch in self.batches.items():
-            ref = batch.get("ready_ref")
-            if batch.get("ready") and ref is not None and batch_id not in trained:
-                ready["records"] += ref["records"]
-                ready["bytes"] += ref["payload_bytes"]
-                ready["tokens"] += ref["tokens"]
+        ready = self.ledger.ready(acked.finished)
         return {
             "accepted_unprocessed": unprocessed,
             **reserved,
@@ -1363,8 +1216,8 @@ def ref_key(ref: Mapping[str, Any]) -> str:
 
 
 def journal_body(event: Event) -> bytes:
-    """The bytes journaled for an event: canonical JSON without its live-only ``_`` keys."""
-    return encode({k: v for k, v in event.items() if not k.startswith("_")})
+    """The bytes journaled for an event (``events.encode``)."""
+    return ev.encode(event)
 
 
 _SPEC_FIELDS = (
@@ -1388,6 +1241,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
     field lists, and input references shared by many tasks are stored once.
     """
     refs, rows = _compact_specs([t.spec for t in state.tasks.values()])
+    ledger = state.ledger
     tasks = [
         [
             row,
@@ -1422,10 +1276,10 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         ],
         "producers": state.producers,
         "reads": [[as_dict(lease), state.read_inputs.get(key, [])] for key, lease in state.reads.items()],
-        "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in state.consumers.items()},
-        "batches": state.batches,
-        "checkpoints": state.checkpoints,
-        "released": [state.released_cursor, sorted(state.released_positions)],
+        "consumers": {k: [c.owner, c.token, c.open, c.state] for k, c in ledger.consumers.items()},
+        "batches": ledger.batches,
+        "checkpoints": ledger.checkpoints,
+        "released": [ledger.released_cursor, sorted(ledger.released_positions)],
         "ref_packs": state.ref_packs,
         "history": state.history.describe(),
     }
@@ -1581,39 +1435,48 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
         lease = Lease.from_dict(item)
         state.reads[(lease.task_id, lease.attempt_id)] = lease
         state.read_inputs[(lease.task_id, lease.attempt_id)] = list(inputs)
-    state.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
-    state.batches = dict(data["batches"])
-    state.checkpoints = dict(data["checkpoints"])
+    ledger = state.ledger
+    ledger.consumers = {k: Consumer(v[0], v[1], v[2], v[3]) for k, v in data["consumers"].items()}
+    ledger.batches = dict(data["batches"])
+    ledger.checkpoints = dict(data["checkpoints"])
     state.ref_packs = dict(data.get("ref_packs", {}))  # absent in older snapshots: roots are read
     released = data.get("released", [0, []])  # absent in snapshots written before released history
-    state.released_cursor, state.released_positions = int(released[0]), frozenset(released[1])
+    ledger.released_cursor, ledger.released_positions = int(released[0]), frozenset(released[1])
     return state
 
 
-_APPLY: dict[str, Callable[[QueueState, Event], Any]] = {
-    "submit": QueueState._apply_submit,
-    "acquire": QueueState._apply_acquire,
-    "complete": QueueState._apply_complete,
-    "complete_many": QueueState._apply_complete_many,
-    "fail": QueueState._apply_fail,
-    "release": QueueState._apply_release,
-    "yield": QueueState._apply_yield,
-    "progress": QueueState._apply_progress,
-    "cancel": QueueState._apply_cancel,
-    "seal": QueueState._apply_seal,
-    "drain": QueueState._apply_drain,
-    "retire": QueueState._apply_retire,
-    "release_reads": QueueState._apply_release_reads,
-    "epoch": QueueState._apply_epoch,
-    "open_consumer": QueueState._apply_open_consumer,
-    "close_consumer": QueueState._apply_close_consumer,
-    "save_consumer": QueueState._apply_save_consumer,
-    "plan_batch": QueueState._apply_plan_batch,
-    "batch_ready": QueueState._apply_batch_ready,
-    "register_checkpoint": QueueState._apply_register_checkpoint,
-    "release_checkpoint": QueueState._apply_release_checkpoint,
-    "release_history": QueueState._apply_release_history,
+def _on_ledger(handler: Callable[[Ledger, Any], object]) -> Callable[[QueueState, Any], object]:
+    """A ledger op's handler, applied to the state's ledger."""
+    return lambda state, event: handler(state.ledger, event)
+
+
+#: Dispatch by event type. Each handler takes its own event class: the table is what pairs
+#: them, so its value type is erased (``apply`` restores the reply type from the event's).
+_APPLY: dict[type[Event], Callable[[QueueState, Any], object]] = {
+    ev.Submit: QueueState._apply_submit,
+    ev.Acquire: QueueState._apply_acquire,
+    ev.Complete: QueueState._apply_complete,
+    ev.CompleteMany: QueueState._apply_complete_many,
+    ev.Fail: QueueState._apply_fail,
+    ev.Release: QueueState._apply_release,
+    ev.Yield: QueueState._apply_yield,
+    ev.Progress: QueueState._apply_progress,
+    ev.Cancel: QueueState._apply_cancel,
+    ev.Seal: QueueState._apply_seal,
+    ev.Drain: QueueState._apply_drain,
+    ev.Retire: QueueState._apply_retire,
+    ev.ReleaseReads: QueueState._apply_release_reads,
+    ev.Epoch: QueueState._apply_epoch,
+    ev.OpenConsumer: _on_ledger(Ledger.apply_open_consumer),
+    ev.CloseConsumer: _on_ledger(Ledger.apply_close_consumer),
+    ev.SaveConsumer: QueueState._apply_save_consumer,
+    ev.PlanBatch: _on_ledger(Ledger.apply_plan_batch),
+    ev.BatchReady: _on_ledger(Ledger.apply_batch_ready),
+    ev.RegisterCheckpoint: _on_ledger(Ledger.apply_register_checkpoint),
+    ev.ReleaseCheckpoint: _on_ledger(Ledger.apply_release_checkpoint),
+    ev.ReleaseHistory: _on_ledger(Ledger.apply_release_history),
 }
+invariant(_APPLY.keys() == set(ev.OPS.values()), "every journal op has a handler")
 
 
 # ---------------------------------------------------------------------- spec helpers
@@ -1660,18 +1523,3 @@ def _replace_spec(spec: TaskSpec, item: Mapping[str, Any]) -> TaskSpec:
         if item.get(name) is not None:
             data[name] = item[name]
     return TaskSpec.from_dict(data)
-
-
-def _check_name(value: object, what: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-
-
-def _check_cursors(state: Mapping[str, Any], commits: int) -> None:
-    """Cursors name accepted positions; either may move back (a checkpoint restored)."""
-    fetch, processed = state["fetch_cursor"], state["processed_cursor"]
-    for name, value in (("fetch_cursor", fetch), ("processed_cursor", processed)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= commits:
-            raise ValueError(f"{name} must be an integer in 0..{commits} (accepted results), got {value!r}")
-    if processed > fetch:
-        raise ValueError(f"processed_cursor {processed} is ahead of fetch_cursor {fetch}")
