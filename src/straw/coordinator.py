@@ -20,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,20 @@ QUEUE_VERSION = 1
 #: Snapshots past the threshold run in a thread of their own (J5). Tests that need one order
 #: of file-system calls run them in the calling thread instead.
 SNAPSHOTS_IN_BACKGROUND = True
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector paused while many small acyclic objects are built (replay, the
+    snapshot copy, a page of receipts): otherwise their allocation triggers full collections,
+    each a pass over the whole heap (about 0.4 s once torch is imported), inside the call."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
@@ -469,13 +483,8 @@ class Coordinator:
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with _collector_paused():
             recovered = (journal or self._journal).replay(apply, load, upto=upto)
-        finally:
-            if collecting:
-                gc.enable()
         if upto is None:
             self.truncated_tail = recovered.truncated
         return holder[0], identity[0]
@@ -615,14 +624,9 @@ class Coordinator:
         seq, chain = journal.request_switch()
         # The copy allocates one object per live task: the cycle collector is paused meanwhile
         # (as replay does), so a full collection of the whole heap never runs under the lock.
-        collecting = gc.isenabled()
-        gc.disable()
         started = time.perf_counter()
-        try:
+        with _collector_paused():
             state = self._state.snapshot_copy()  # the state after frame seq: every frame is applied
-        finally:
-            if collecting:
-                gc.enable()
         self._copy_seconds_max = max(self._copy_seconds_max, time.perf_counter() - started)
         if not SNAPSHOTS_IN_BACKGROUND:
             self._snapshotter = None
@@ -1072,8 +1076,12 @@ class Coordinator:
                 )
             return page, state.drained_input() and cursor + len(page) >= len(state.commits)
 
-        page, done = self._query(read)
-        return CommitPage(tuple(CommitReceipt.from_journal(c) for c in page), cursor + len(page), done)
+        # A page builds several objects per receipt (more when they are decoded from history
+        # files): without the pause, paging through a long log runs full collections.
+        with _collector_paused():
+            page, done = self._query(read)
+            commits = tuple(CommitReceipt.from_journal(c) for c in page)
+        return CommitPage(commits, cursor + len(page), done)
 
     # ------------------------------------------------------------------ reads and workers
 

@@ -8,6 +8,7 @@ restored nothing was lost; an older snapshot that holds everything still opens.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import zlib
@@ -103,6 +104,46 @@ def test_every_lookup_is_exact_from_disk_live_and_after_reopen(tmp_path: Path) -
             coord.fail_task(lease, request_id="f", failure="x")
         assert coord.cancel_task("t00", request_id="cancel-0") == "completed"
         assert coord.metrics()["tasks"] == {"completed": TASKS - 2, "pending": 1, "cancelled": 1}
+
+
+def test_pages_of_any_size_and_cursor_cross_files_and_memory_exactly(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        more = _work(coord, 1, "w2")  # in memory, after the positions on disk
+        receipts = [r for r, _, _ in done + more]
+        state = coord._state
+        assert len(state.history.files) > 2 and 0 < state.commits.base < len(receipts)
+        for limit in (1, 2, 3, 7, 100):
+            for cursor in range(len(receipts) + 1):
+                page = coord.read_commits(cursor, limit)
+                assert list(page.commits) == receipts[cursor : cursor + limit], (cursor, limit)
+                assert page.cursor == min(len(receipts), cursor + limit)
+        # A run of positions is one read of its entries per file, in position order.
+        rows = state.history.receipts(0, state.commits.base)
+        assert [row[0]["position"] for row in rows] == list(range(state.commits.base))
+        assert state.history.receipts(1, 1) == []
+
+
+def test_paging_leaves_the_cycle_collector_as_the_caller_had_it(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        assert gc.isenabled()
+        assert len(coord.read_commits(0, 100).commits) == TASKS - 2
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            assert len(coord.read_commits(0, 100).commits) == TASKS - 2
+            assert not gc.isenabled()  # the caller's choice stays
+        finally:
+            gc.enable()
 
 
 def test_recovery_reads_only_live_state_and_opens_history_files_lazily(tmp_path: Path) -> None:

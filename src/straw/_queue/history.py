@@ -271,12 +271,21 @@ class HistoryFile:
 
     def receipt(self, position: int) -> Any:
         """The row of accepted ``position``: [receipt, worker, packs]."""
-        invariant(self.first <= position < self.stop, "the position is in this file")
+        return self.receipts(position, position + 1)[0]
+
+    def receipts(self, start: int, stop: int) -> list[Any]:
+        """The rows of accepted positions ``start .. stop - 1``: their entries in one read, each
+        block read and inflated once (paging asks for a run of positions at a time)."""
+        invariant(self.first <= start < stop <= self.stop, "the positions are in this file")
         base = self.index_at + (8 + ENTRY.size) * self.tasks + 16 * self.subs
-        row = self._row(self._pread(ENTRY.size, base + ENTRY.size * (position - self.first)))
-        if not isinstance(row, list) or len(row) != 3 or row[0].get("position") != position:
-            raise self._corrupt(f"the receipt row of position {position} names another position")
-        return row
+        entries = self._pread(ENTRY.size * (stop - start), base + ENTRY.size * (start - self.first))
+        rows = []
+        for position, at in zip(range(start, stop), range(0, len(entries), ENTRY.size), strict=True):
+            row = self._row(entries[at : at + ENTRY.size])
+            if not isinstance(row, list) or len(row) != 3 or row[0].get("position") != position:
+                raise self._corrupt(f"the receipt row of position {position} names another position")
+            rows.append(row)
+        return rows
 
     def meta(self) -> Any:
         offset, length, checksum = self._meta_entry
@@ -350,11 +359,23 @@ class History:
 
     def receipt(self, position: int) -> Any:
         """[receipt, worker, packs] of an accepted position below ``base``."""
-        at = bisect.bisect_right(self._firsts, position) - 1
-        while at > 0 and not position < self.files[at].stop:
+        return self.receipts(position, position + 1)[0]
+
+    def receipts(self, start: int, stop: int) -> list[Any]:
+        """The rows of the accepted positions ``start .. stop - 1``, all below ``base``."""
+        invariant(0 <= start <= stop <= self.base, "positions on disk")
+        rows: list[Any] = []
+        at = bisect.bisect_right(self._firsts, start) - 1
+        while at > 0 and not start < self.files[at].stop:
             at -= 1  # a file without receipts shares its first position with the next one
-        invariant(at >= 0 and self.files[at].first <= position < self.files[at].stop, "position on disk")
-        return self.files[at].receipt(position)
+        while start < stop:
+            file = self.files[at]
+            end = min(stop, file.stop)
+            if start < end:
+                rows += file.receipts(start, end)
+                start = end
+            at += 1
+        return rows
 
     def counts(self) -> dict[str, int]:
         total: dict[str, int] = {}

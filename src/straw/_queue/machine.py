@@ -185,9 +185,8 @@ class QueueState:
             position = self.history.position(submission_id)
         return position
 
-    def _history_receipt(self, position: int) -> dict[str, Any]:
-        receipt: dict[str, Any] = self.history.receipt(position)[0]
-        return receipt
+    def _history_receipts(self, start: int, stop: int) -> list[dict[str, Any]]:
+        return [row[0] for row in self.history.receipts(start, stop)]
 
     def worker_at(self, position: int) -> str:
         base = self.commits.base
@@ -239,7 +238,7 @@ class QueueState:
     def attach(self, file: HistoryFile) -> None:
         """A durable history file (named by a durable snapshot) now answers for what it holds."""
         self.history.add(file)
-        self.commits.history = self._history_receipt
+        self.commits.history = self._history_receipts
 
     def forget_receipts(self, stop: int) -> list[str]:
         """Drop the receipts below ``stop`` from memory (``attach`` came first); their
@@ -320,7 +319,7 @@ class QueueState:
             history=History(self.history.files),
             unfinished=set(self.unfinished),
         )
-        out.commits.history = out._history_receipt
+        out.commits.history = out._history_receipts
         return out
 
     # ------------------------------------------------------------------ helpers
