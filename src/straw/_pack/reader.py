@@ -37,7 +37,9 @@ from . import frame
 WRITER_NAME = re.compile(r"[0-9a-f]{32}")
 PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
-INDEX_CACHE_MAX = 4096
+#: Index entries (records and manifests) of the parsed index frames one reader keeps, most
+#: recently used last: counted in entries, not frames, as SHARED_INDEX_ENTRIES_MAX is.
+INDEX_CACHE_ENTRIES_MAX = 16384
 #: Index entries (records and manifests) of the index frames shared by every reader of the
 #: process (``SHARED_INDEXES``): counted in entries, not frames, since one ``publish_many``
 #: frame may hold thousands (at about 1 KB each in memory, this is some 16 MiB).
@@ -146,6 +148,7 @@ class PackReader:
         self.max_open = max_open
         self._files: OrderedDict[str, _File] = OrderedDict()
         self._indexes: OrderedDict[tuple[str, int, str], frame.Index] = OrderedDict()
+        self._index_entries = 0  # entries of the frames in _indexes
         self._checked: SegmentRef | None = None
         self._writers: set[str] = set()  # writer directories seen in this pool (a cache)
 
@@ -154,6 +157,7 @@ class PackReader:
             _, handle = self._files.popitem()
             posix.close_quietly(handle.fd)
         self._indexes.clear()
+        self._index_entries = 0
 
     # -- reference checks ----------------------------------------------------------
 
@@ -324,9 +328,12 @@ class PackReader:
         return parsed
 
     def _cache(self, key: tuple[str, int, str], index: frame.Index) -> None:
+        old = self._indexes.pop(key, None)
+        self._index_entries += len(index.entries) - (len(old.entries) if old is not None else 0)
         self._indexes[key] = index
-        while len(self._indexes) > INDEX_CACHE_MAX:
-            self._indexes.popitem(last=False)
+        while self._index_entries > INDEX_CACHE_ENTRIES_MAX and len(self._indexes) > 1:
+            _, dropped = self._indexes.popitem(last=False)
+            self._index_entries -= len(dropped.entries)
 
     # -- discovery ---------------------------------------------------------------------------
 
