@@ -167,6 +167,8 @@ class _Spilled:
     file: history_files.HistoryFile
     stop: int
     task_ids: list[str]
+    #: The copy's merged hash indexes over every file up to this one, if it was time to merge.
+    merged: tuple[history_files.Merged, history_files.Merged] | None = None
 
 
 class _Abandoned(Exception):
@@ -715,7 +717,10 @@ class Coordinator:
         state.attach(file)
         state.forget_submissions(state.forget_receipts(stop))
         state.forget_tasks(task_ids)
-        return _Spilled(file, stop, task_ids)
+        # Here, off the lock: the hashes of the files so far merged into one index, which the
+        # live state adopts with the file (H3), so its lookups never merge under the lock.
+        merged = state.history.extended() if state.history.merge_due() else None
+        return _Spilled(file, stop, task_ids, merged)
 
     def _prune_history(self, named: set[str]) -> None:
         """J5 H4, once the snapshot naming ``named`` is durable: history files it does not name
@@ -737,6 +742,7 @@ class Coordinator:
             state = self._state
             if spilled.file not in state.history.files:
                 state.attach(spilled.file)
+                state.history.adopt(spilled.merged)
             while budget > 0 and state.commits.base < spilled.stop:
                 cut = min(spilled.stop, state.commits.base + budget)
                 ids = state.forget_receipts(cut)

@@ -25,6 +25,7 @@ from straw._queue import history
 from straw._queue.machine import new_state, state_from_dict, state_to_dict
 from straw.cli import main
 from straw.errors import CorruptData, IdempotencyConflict, InvalidReference, StaleAttempt
+from straw.limits import HISTORY_UNMERGED_FILES_MAX
 from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode
 
 RUN = "run-history"
@@ -144,6 +145,63 @@ def test_paging_leaves_the_cycle_collector_as_the_caller_had_it(tmp_path: Path) 
             assert not gc.isenabled()  # the caller's choice stays
         finally:
             gc.enable()
+
+
+def _unloaded(files: list[history.HistoryFile]) -> bool:
+    return all(f._task_hashes is None and f._sub_hashes is None for f in files)
+
+
+def test_files_are_merged_into_one_index_off_the_lock_and_a_miss_searches_only_it(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
+        done = _work(coord, TASKS, "w1")
+        hist = coord._state.history
+        merged = hist.merged_indexes
+        assert merged is not None  # built by the snapshot job, adopted with its file (H3)
+        count = merged[0].count
+        assert len(hist.files) - count <= HISTORY_UNMERGED_FILES_MAX < len(hist.files)
+        assert _unloaded(hist.files[:count])  # the merged index replaces their hashes
+        assert len(merged[0].hashes) == sum(f.tasks for f in hist.files[:count])
+        assert list(merged[0].hashes) == sorted(merged[0].hashes)
+        # New ids miss: only the merged index and the few newer files are searched.
+        assert coord.task_status("never") is None and coord.lookup_submission("never") is None
+        assert _unloaded(hist.files[:count])
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+            assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        hist = coord._state.history
+        assert hist.merged_indexes is None  # a reopen merges at the first lookup that needs it
+        assert coord.task_status("never") is None
+        merged = hist.merged_indexes
+        assert merged is not None and merged[0].count == len(hist.files)
+        assert _unloaded(hist.files)
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+
+
+def test_hashes_that_collide_across_files_still_answer_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every id of the same length hashes alike: each lookup walks a run of equal hashes in
+    # the merged index and in each file, comparing the row's own key.
+    monkeypatch.setattr(history, "key_hash", lambda key: len(key))
+    root = str(tmp_path)
+    done = _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        _assert_exact(coord, done)
+        assert coord._state.history.merged_indexes is not None
+        assert coord.task_status("t99") is None  # same hash as every task id, in no file
+        assert coord.lookup_submission("sub-t99") is None
 
 
 def test_recovery_reads_only_live_state_and_opens_history_files_lazily(tmp_path: Path) -> None:

@@ -316,7 +316,7 @@ class QueueState:
             released_cursor=self.released_cursor,
             released_positions=self.released_positions,
             ref_packs=dict(self.ref_packs),
-            history=History(self.history.files),
+            history=History(self.history.files, self.history.merged_indexes),
             unfinished=set(self.unfinished),
         )
         out.commits.history = out._history_receipts
