@@ -21,7 +21,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,6 +96,20 @@ QUEUE_VERSION = 1
 SNAPSHOTS_IN_BACKGROUND = True
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector paused while many small acyclic objects are built (replay, the
+    snapshot copy, a page of receipts): otherwise their allocation triggers full collections,
+    each a pass over the whole heap (about 0.4 s once torch is imported), inside the call."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
     """Where a queue's files live: ``queue/`` at the pool root, or ``queues/<digest>/``."""
     if namespace:
@@ -155,6 +169,8 @@ class _Spilled:
     file: history_files.HistoryFile
     stop: int
     task_ids: list[str]
+    #: The copy's merged hash indexes over every file up to this one, if it was time to merge.
+    merged: tuple[history_files.Merged, history_files.Merged] | None = None
 
 
 class _Abandoned(Exception):
@@ -473,13 +489,8 @@ class Coordinator:
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with _collector_paused():
             recovered = (journal or self._journal).replay(apply, load, upto=upto)
-        finally:
-            if collecting:
-                gc.enable()
         if upto is None:
             self.truncated_tail = recovered.truncated
         return holder[0], identity[0]
@@ -626,14 +637,9 @@ class Coordinator:
         seq, chain = journal.request_switch()
         # The copy allocates one object per live task: the cycle collector is paused meanwhile
         # (as replay does), so a full collection of the whole heap never runs under the lock.
-        collecting = gc.isenabled()
-        gc.disable()
         started = time.perf_counter()
-        try:
+        with _collector_paused():
             state = self._state.snapshot_copy()  # the state after frame seq: every frame is applied
-        finally:
-            if collecting:
-                gc.enable()
         self._copy_seconds_max = max(self._copy_seconds_max, time.perf_counter() - started)
         if not SNAPSHOTS_IN_BACKGROUND:
             self._snapshotter = None
@@ -722,7 +728,10 @@ class Coordinator:
         state.attach(file)
         state.forget_submissions(state.forget_receipts(stop))
         state.forget_tasks(task_ids)
-        return _Spilled(file, stop, task_ids)
+        # Here, off the lock: the hashes of the files so far merged into one index, which the
+        # live state adopts with the file (H3), so its lookups never merge under the lock.
+        merged = state.history.extended() if state.history.merge_due() else None
+        return _Spilled(file, stop, task_ids, merged)
 
     def _prune_history(self, named: set[str]) -> None:
         """J5 H4, once the snapshot naming ``named`` is durable: history files it does not name
@@ -744,6 +753,7 @@ class Coordinator:
             state = self._state
             if spilled.file not in state.history.files:
                 state.attach(spilled.file)
+                state.history.adopt(spilled.merged)
             while budget > 0 and state.commits.base < spilled.stop:
                 cut = min(spilled.stop, state.commits.base + budget)
                 ids = state.forget_receipts(cut)
@@ -1083,8 +1093,12 @@ class Coordinator:
                 )
             return page, state.drained_input() and cursor + len(page) >= len(state.commits)
 
-        page, done = self._query(read)
-        return CommitPage(tuple(CommitReceipt.from_journal(c) for c in page), cursor + len(page), done)
+        # A page builds several objects per receipt (more when they are decoded from history
+        # files): without the pause, paging through a long log runs full collections.
+        with _collector_paused():
+            page, done = self._query(read)
+            commits = tuple(CommitReceipt.from_journal(c) for c in page)
+        return CommitPage(commits, cursor + len(page), done)
 
     # ------------------------------------------------------------------ reads and workers
 

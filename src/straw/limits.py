@@ -176,6 +176,12 @@ HISTORY_FORGET_PER_CALL = 1024
 #: inflates one block; neighbouring receipts share segments and compress well together.
 HISTORY_BLOCK_ROWS = 64
 
+#: History files a lookup searches one by one before they are merged into the queue's merged
+#: hash index (``straw._queue.history.History``): a miss (every new task and submission id)
+#: then bisects that index once plus at most this many files, instead of every file (some
+#: 80 per million tasks).
+HISTORY_UNMERGED_FILES_MAX = 4
+
 #: Catalog log size after which its lock holder compacts it into a snapshot and a new log
 #: (the real threshold is the larger of this and twice the last snapshot, docs/GC.md G7).
 CATALOG_COMPACT_BYTES_MIN = 16 * MiB

@@ -95,21 +95,41 @@ def test_release_drops_the_owner_and_ignores_an_unknown_one() -> None:
 def test_seal_records_the_extents_with_integer_offsets() -> None:
     state = _state({"op": "seal", "pack": P1, "extents": {"154": [1], "900": []}})
     info = state.packs[P1]
-    assert (info.writer, info.sealed, info.extents, info.released) == (W1, True, {154: [1], 900: []}, set())
+    assert (info.writer, info.sealed, info.extents, info.released) == (W1, True, {154: [1], 900: []}, {})
 
 
 def test_seal_with_null_extents_is_a_collector_seal() -> None:
     state = _state({"op": "seal", "pack": P3, "extents": None})
-    assert state.packs[P3] == PackInfo(W2, True, None, set())
+    assert state.packs[P3] == PackInfo(W2, True, None, {})
 
 
 def test_unstage_records_released_items_even_before_the_seal() -> None:
     state = _state({"op": "unstage", "items": [[P1, 154, 1], [P2, 200, RECORDS_ONLY]]})
-    assert state.packs[P1] == PackInfo(W1, False, None, {(154, 1)})
-    assert state.packs[P2] == PackInfo(W1, False, None, {(200, -1)})
+    assert (state.packs[P1].writer, state.packs[P1].sealed, state.packs[P1].extents) == (W1, False, None)
+    assert state.packs[P1].released_pairs() == [[154, 1]]
+    assert state.packs[P2].released_pairs() == [[200, RECORDS_ONLY]]
     state.apply({"op": "seal", "pack": P1, "extents": {"154": [1]}})
-    assert state.packs[P1].released == {(154, 1)}  # the seal keeps what was released before it
+    assert state.packs[P1].released_pairs() == [[154, 1]]  # the seal keeps what was released before it
     assert state.staging_over(P1)
+
+
+def test_released_staging_is_one_int_per_extent_and_round_trips_the_snapshot() -> None:
+    # A publish_many of 64 sets: 64 manifest ordinals released in one extent, then one more
+    # extent of records only; released twice changes nothing.
+    items = [[P1, 154, ordinal] for ordinal in range(1, 129, 2)] + [[P1, 900, RECORDS_ONLY]]
+    state = _state({"op": "unstage", "items": items}, {"op": "unstage", "items": items[:3]})
+    info = state.packs[P1]
+    assert len(info.released) == 2 and all(isinstance(mask, int) for mask in info.released.values())
+    pairs = sorted([offset, ordinal] for _, offset, ordinal in items)
+    assert info.released_pairs() == pairs
+    again = CatalogState.from_dict(state.to_dict())
+    assert again.packs[P1] == info and again.to_dict() == state.to_dict()
+    assert state.to_dict()["packs"][P1][3] == pairs  # the snapshot's form is unchanged
+    state.apply({"op": "seal", "pack": P1, "extents": {"154": list(range(1, 129, 2)), "900": []}})
+    assert state.staging_over(P1)
+    assert not _state(
+        {"op": "seal", "pack": P1, "extents": {"154": [1, 3]}}, {"op": "unstage", "items": [[P1, 154, 1]]}
+    ).staging_over(P1)
 
 
 def test_writer_dead_tombstone_and_reclaimed_accumulate() -> None:

@@ -463,7 +463,7 @@ def test_g6_2_deferred_release_rides_the_writers_next_catalog_frame(root: Path) 
     assert writer._catalog.metrics["appends"] == frames  # nothing written yet
     state = catalog_state(root)  # another client still sees a staged
     assert (pack(a), a.manifest.segment.offset, a.manifest.ordinal) not in {
-        (path, *item) for path, info in state.packs.items() for item in info.released
+        (path, *item) for path, info in state.packs.items() for item in info.released_pairs()
     }
     assert open_store(root).collect_garbage()["reclaimed_files"] == 0  # retained, never lost
     b = pub(writer, "b", deps=(base,))  # its staging frame carries the deferred end as well

@@ -8,6 +8,7 @@ restored nothing was lost; an older snapshot that holds everything still opens.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import zlib
@@ -24,6 +25,7 @@ from straw._queue import history
 from straw._queue.machine import new_state, state_from_dict, state_to_dict
 from straw.cli import main
 from straw.errors import CorruptData, IdempotencyConflict, InvalidReference, StaleAttempt
+from straw.limits import HISTORY_UNMERGED_FILES_MAX
 from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode
 
 RUN = "run-history"
@@ -103,6 +105,103 @@ def test_every_lookup_is_exact_from_disk_live_and_after_reopen(tmp_path: Path) -
             coord.fail_task(lease, request_id="f", failure="x")
         assert coord.cancel_task("t00", request_id="cancel-0") == "completed"
         assert coord.metrics()["tasks"] == {"completed": TASKS - 2, "pending": 1, "cancelled": 1}
+
+
+def test_pages_of_any_size_and_cursor_cross_files_and_memory_exactly(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        more = _work(coord, 1, "w2")  # in memory, after the positions on disk
+        receipts = [r for r, _, _ in done + more]
+        state = coord._state
+        assert len(state.history.files) > 2 and 0 < state.commits.base < len(receipts)
+        for limit in (1, 2, 3, 7, 100):
+            for cursor in range(len(receipts) + 1):
+                page = coord.read_commits(cursor, limit)
+                assert list(page.commits) == receipts[cursor : cursor + limit], (cursor, limit)
+                assert page.cursor == min(len(receipts), cursor + limit)
+        # A run of positions is one read of its entries per file, in position order.
+        rows = state.history.receipts(0, state.commits.base)
+        assert [row[0]["position"] for row in rows] == list(range(state.commits.base))
+        assert state.history.receipts(1, 1) == []
+
+
+def test_paging_leaves_the_cycle_collector_as_the_caller_had_it(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        assert gc.isenabled()
+        assert len(coord.read_commits(0, 100).commits) == TASKS - 2
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            assert len(coord.read_commits(0, 100).commits) == TASKS - 2
+            assert not gc.isenabled()  # the caller's choice stays
+        finally:
+            gc.enable()
+
+
+def _unloaded(files: list[history.HistoryFile]) -> bool:
+    return all(f._task_hashes is None and f._sub_hashes is None for f in files)
+
+
+def test_files_are_merged_into_one_index_off_the_lock_and_a_miss_searches_only_it(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
+        done = _work(coord, TASKS, "w1")
+        hist = coord._state.history
+        merged = hist.merged_indexes
+        assert merged is not None  # built by the snapshot job, adopted with its file (H3)
+        count = merged[0].count
+        assert len(hist.files) - count <= HISTORY_UNMERGED_FILES_MAX < len(hist.files)
+        assert _unloaded(hist.files[:count])  # the merged index replaces their hashes
+        assert len(merged[0].hashes) == sum(f.tasks for f in hist.files[:count])
+        assert list(merged[0].hashes) == sorted(merged[0].hashes)
+        # New ids miss: only the merged index and the few newer files are searched.
+        assert coord.task_status("never") is None and coord.lookup_submission("never") is None
+        assert _unloaded(hist.files[:count])
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+            assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        hist = coord._state.history
+        assert hist.merged_indexes is None  # a reopen merges at the first lookup that needs it
+        assert coord.task_status("never") is None
+        merged = hist.merged_indexes
+        assert merged is not None and merged[0].count == len(hist.files)
+        assert _unloaded(hist.files)
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+
+
+def test_hashes_that_collide_across_files_still_answer_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every id of the same length hashes alike: each lookup walks a run of equal hashes in
+    # the merged index and in each file, comparing the row's own key.
+    monkeypatch.setattr(history, "key_hash", lambda key: len(key))
+    root = str(tmp_path)
+    done = _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        _assert_exact(coord, done)
+        assert coord._state.history.merged_indexes is not None
+        assert coord.task_status("t99") is None  # same hash as every task id, in no file
+        assert coord.lookup_submission("sub-t99") is None
 
 
 def test_recovery_reads_only_live_state_and_opens_history_files_lazily(tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ def test_an_index_frame_dropped_from_the_cache_is_verified_again(
     store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second = _publish(store, "a"), _publish(store, "b")
-    monkeypatch.setattr(reader, "INDEX_CACHE_MAX", 1)
+    monkeypatch.setattr(reader, "INDEX_CACHE_ENTRIES_MAX", 1)  # only the newest frame stays
     with _session(store) as session:
         session.resolve(first)
         session.resolve(second)  # the first extent's index frame leaves the cache

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from straw import Record, RecordSetRef, SharedFilesystemStore
+from straw import Publication, Record, RecordSetRef, SharedFilesystemStore
 from straw._pack import reader
 from straw.errors import CorruptData, InvalidReference
 
@@ -79,9 +79,13 @@ def test_nested_metadata_is_not_shared_and_validation_reads_the_disk(tmp_path: P
 
 
 def test_the_shared_cache_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader, "SHARED_INDEX_CACHE_MAX", 5)
+    monkeypatch.setattr(reader, "SHARED_INDEX_ENTRIES_MAX", 10)
     writer = SharedFilesystemStore(tmp_path, "run")
     refs = [writer.publish([Record("r", b"x")], submission_id=f"s{i}") for i in range(12)]
     kept = [ref for ref in refs if reader.SHARED_INDEXES.get(ref.manifest.segment) is not None]
-    assert kept == refs[-5:]  # the oldest go first
+    assert kept == refs[-5:]  # the oldest go first: each frame holds a record and a manifest
+    # Counted in entries, not frames: one frame of 64 publications leaves room for no other.
+    many = writer.publish_many([Publication((Record("r", b"y"),)) for _ in range(64)], submission_id="many")
+    assert reader.SHARED_INDEXES.get(many[0].manifest.segment) is not None  # the newest stays
+    assert all(reader.SHARED_INDEXES.get(ref.manifest.segment) is None for ref in refs)
     writer.close()

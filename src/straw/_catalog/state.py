@@ -44,7 +44,29 @@ class PackInfo:
     #: Index-frame offset -> manifest ordinals of that extent (None: sealed by a collector
     #: after the writer died, so staging is over for every extent).
     extents: dict[int, list[int]] | None = None
-    released: set[tuple[int, int]] = field(default_factory=set)
+    #: Index-frame offset -> the manifest ordinals whose staging ended there, as a bit mask
+    #: (bit ``ordinal + 1``; RECORDS_ONLY is bit 0): one int per extent, however many
+    #: publications it holds, since a queue's results stay here for as long as it owns them.
+    released: dict[int, int] = field(default_factory=dict)
+
+    def release(self, offset: int, ordinal: int) -> None:
+        invariant(ordinal >= RECORDS_ONLY, "a manifest ordinal or RECORDS_ONLY")
+        self.released[offset] = self.released.get(offset, 0) | (1 << (ordinal + 1))
+
+    def is_released(self, offset: int, ordinal: int) -> bool:
+        return bool(self.released.get(offset, 0) >> (ordinal + 1) & 1)
+
+    def released_pairs(self) -> list[list[int]]:
+        """Every released (offset, ordinal), sorted (the catalog snapshot's form)."""
+        out = []
+        for offset in sorted(self.released):
+            mask, bit = self.released[offset], 0
+            while mask:
+                if mask & 1:
+                    out.append([offset, bit - 1])
+                mask >>= 1
+                bit += 1
+        return out
 
 
 @dataclass
@@ -86,7 +108,7 @@ class CatalogState:
 
     def _unstage(self, event: Mapping[str, Any]) -> None:
         for path, offset, ordinal in event["items"]:
-            self._pack(path).released.add((offset, ordinal))
+            self._pack(path).release(offset, ordinal)
 
     def _writer_dead(self, event: Mapping[str, Any]) -> None:
         self.dead_writers.add(event["writer"])
@@ -115,7 +137,7 @@ class CatalogState:
             return True
         for offset, manifests in info.extents.items():
             needed = manifests if manifests else [RECORDS_ONLY]
-            if any((offset, ordinal) not in info.released for ordinal in needed):
+            if not all(info.is_released(offset, ordinal) for ordinal in needed):
                 return False
         return True
 
@@ -152,7 +174,7 @@ class CatalogState:
                     i.writer,
                     i.sealed,
                     {str(o): m for o, m in i.extents.items()} if i.extents is not None else None,
-                    sorted([list(x) for x in i.released]),
+                    i.released_pairs(),
                 ]
                 for k, i in self.packs.items()
             },
@@ -166,12 +188,13 @@ class CatalogState:
         state = cls()
         state.owners = {k: set(v) for k, v in data["owners"].items()}
         for path, (writer, sealed, extents, released) in data["packs"].items():
-            state.packs[path] = PackInfo(
+            info = state.packs[path] = PackInfo(
                 writer,
                 sealed,
                 {int(o): list(m) for o, m in extents.items()} if extents is not None else None,
-                {(o, n) for o, n in released},
             )
+            for offset, ordinal in released:
+                info.release(offset, ordinal)
         state.dead_writers = set(data["dead_writers"])
         state.tombstones = set(data["tombstones"])
         state.reclaimed = set(data["reclaimed"])

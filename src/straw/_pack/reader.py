@@ -37,9 +37,13 @@ from . import frame
 WRITER_NAME = re.compile(r"[0-9a-f]{32}")
 PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
-INDEX_CACHE_MAX = 4096
-#: Index frames shared by every reader of the process (``SHARED_INDEXES``).
-SHARED_INDEX_CACHE_MAX = 4096
+#: Index entries (records and manifests) of the parsed index frames one reader keeps, most
+#: recently used last: counted in entries, not frames, as SHARED_INDEX_ENTRIES_MAX is.
+INDEX_CACHE_ENTRIES_MAX = 16384
+#: Index entries (records and manifests) of the index frames shared by every reader of the
+#: process (``SHARED_INDEXES``): counted in entries, not frames, since one ``publish_many``
+#: frame may hold thousands (at about 1 KB each in memory, this is some 16 MiB).
+SHARED_INDEX_ENTRIES_MAX = 16384
 _SCALARS = (str, int, float, bool, type(None))
 
 
@@ -49,13 +53,16 @@ V = TypeVar("V")
 
 class SharedMemo(Generic[K, V]):
     """A process-wide map of what verifying immutable bytes found, by their exact reference,
-    shared by the threads of the process: at most ``limit()`` entries, oldest first out (the
-    bound is read on each insertion, so it is the named limit's current value)."""
+    shared by the threads of the process: items weighing at most ``limit()`` in all (each
+    weighs 1 unless ``weight`` says otherwise), oldest first out. The bound is read on each
+    insertion, so it is the named limit's current value; the newest item always stays."""
 
-    def __init__(self, limit: Callable[[], int]) -> None:
+    def __init__(self, limit: Callable[[], int], weight: Callable[[V], int] | None = None) -> None:
         self._limit = limit
+        self._weight = weight
         self._lock = threading.Lock()
         self._items: OrderedDict[K, V] = OrderedDict()
+        self._total = 0
 
     def get(self, key: K) -> V | None:
         with self._lock:
@@ -65,15 +72,23 @@ class SharedMemo(Generic[K, V]):
         self.put_all(((key, value),))
 
     def put_all(self, items: Iterable[tuple[K, V]]) -> None:
+        weigh = self._weight
         with self._lock:
             for key, value in items:
+                old = self._items.pop(key, None)
+                if old is not None:
+                    self._total -= weigh(old) if weigh else 1
                 self._items[key] = value
-            while len(self._items) > self._limit():
-                self._items.popitem(last=False)
+                self._total += weigh(value) if weigh else 1
+            limit = self._limit()
+            while self._total > limit and len(self._items) > 1:
+                _, dropped = self._items.popitem(last=False)
+                self._total -= weigh(dropped) if weigh else 1
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._total = 0
 
 
 #: Parsed index frames that any store of this process wrote or verified, by SegmentRef.
@@ -83,7 +98,9 @@ class SharedMemo(Generic[K, V]):
 #: bytes for every store of the process. A coordinator validating a result that a worker
 #: thread of the same process published then skips re-reading and re-parsing it. Only
 #: readers made with ``shared=True`` consult it (validation, which returns no bytes).
-SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(lambda: SHARED_INDEX_CACHE_MAX)
+SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(
+    lambda: SHARED_INDEX_ENTRIES_MAX, lambda index: max(1, len(index.entries))
+)
 
 
 def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[frame.IndexEntry]) -> None:
@@ -131,6 +148,7 @@ class PackReader:
         self.max_open = max_open
         self._files: OrderedDict[str, _File] = OrderedDict()
         self._indexes: OrderedDict[tuple[str, int, str], frame.Index] = OrderedDict()
+        self._index_entries = 0  # entries of the frames in _indexes
         self._checked: SegmentRef | None = None
         self._writers: set[str] = set()  # writer directories seen in this pool (a cache)
 
@@ -139,6 +157,7 @@ class PackReader:
             _, handle = self._files.popitem()
             posix.close_quietly(handle.fd)
         self._indexes.clear()
+        self._index_entries = 0
 
     # -- reference checks ----------------------------------------------------------
 
@@ -309,9 +328,12 @@ class PackReader:
         return parsed
 
     def _cache(self, key: tuple[str, int, str], index: frame.Index) -> None:
+        old = self._indexes.pop(key, None)
+        self._index_entries += len(index.entries) - (len(old.entries) if old is not None else 0)
         self._indexes[key] = index
-        while len(self._indexes) > INDEX_CACHE_MAX:
-            self._indexes.popitem(last=False)
+        while self._index_entries > INDEX_CACHE_ENTRIES_MAX and len(self._indexes) > 1:
+            _, dropped = self._indexes.popitem(last=False)
+            self._index_entries -= len(dropped.entries)
 
     # -- discovery ---------------------------------------------------------------------------
 

@@ -37,9 +37,9 @@ class CommitLog:
         self._rows: list[list[Any]] = list(packed["rows"]) if packed else []
         self._new: list[dict[str, Any]] = []
         #: Positions below ``base`` moved to history files (docs/FORMAT.md 8.4): ``history``
-        #: reads such a receipt back.
+        #: reads such receipts back, a run of positions ``start .. stop - 1`` at a time.
         self.base: int = int(packed.get("base", 0)) if packed else 0
-        self.history: Callable[[int], dict[str, Any]] | None = None
+        self.history: Callable[[int, int], list[dict[str, Any]]] | None = None
 
     @classmethod
     def unpack(cls, packed: Mapping[str, Any], run_id: str) -> CommitLog:
@@ -59,6 +59,9 @@ class CommitLog:
             loaded = self.base + len(self._rows)
             if step == 1 and start >= loaded:
                 return self._new[start - loaded : max(start, stop) - loaded]  # no loaded rows: a plain slice
+            if step == 1 and start < min(stop, self.base):
+                cut = min(stop, self.base)  # the part on disk in one read, then the rest
+                return self._from_history(start, cut) + [self._receipt(p) for p in range(cut, stop)]
             return [self._receipt(p) for p in range(start, stop, step)]
         if position < 0:
             position += len(self)
@@ -154,8 +157,7 @@ class CommitLog:
     def _receipt(self, position: int) -> dict[str, Any]:
         at = position - self.base
         if at < 0:
-            invariant(self.history is not None, "receipts below base are read from history")
-            return self.history(position)  # type: ignore[misc]
+            return self._from_history(position, position + 1)[0]
         if at >= len(self._rows):
             return self._new[at - len(self._rows)]
         commit_id, task_id, submission_id, commit_digest, slot, ordinal, ref_digest, records, size, tokens = (
@@ -176,6 +178,10 @@ class CommitLog:
             "position": position,
             "result_ref": ref,
         }
+
+    def _from_history(self, start: int, stop: int) -> list[dict[str, Any]]:
+        invariant(self.history is not None, "receipts below base are read from history")
+        return self.history(start, stop)  # type: ignore[misc]
 
     def _segment(self, slot: int) -> dict[str, Any]:
         path_slot, size, checksum, offset, *extra = self._segments[slot]

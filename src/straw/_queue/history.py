@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import xxhash
 
 from ..errors import CorruptData, StorageUnavailable, invariant
-from ..limits import HISTORY_BLOCK_ROWS
+from ..limits import HISTORY_BLOCK_ROWS, HISTORY_UNMERGED_FILES_MAX
 from ..protocol import decode, encode
 
 HIST_DIR = "hist"
@@ -200,8 +200,9 @@ class HistoryFile:
 
     def load(self) -> tuple[array.array[int], array.array[int]]:
         """The index, checked once against the trailer's checksum: hashes stay in memory."""
-        if self._task_hashes is not None and self._sub_hashes is not None:
-            return self._task_hashes, self._sub_hashes
+        tasks, subs = self._task_hashes, self._sub_hashes  # once: another thread may unload them
+        if tasks is not None and subs is not None:
+            return tasks, subs
         header = bytes(self._pread(HEADER.size, 0))
         index = self._pread(self.size - TRAILER.size - self.index_at, self.index_at)
         body = bytes(self._pread(TRAILER.size - _U64.size, self.size - TRAILER.size))
@@ -242,41 +243,67 @@ class HistoryFile:
             raise self._corrupt(f"an index entry names row {k} of a block of {len(rows)}")
         return rows[k]
 
+    def unload(self) -> None:
+        """Drop the hashes from memory (a merged index covers this file); ``load`` reads them again."""
+        self._task_hashes = self._sub_hashes = None
+
     def task(self, task_id: str, wanted: int | None = None) -> Any | None:
         """The row of task ``task_id`` (its first element is the id), or None. ``wanted``: the
         id's :func:`key_hash`, when the caller has it."""
         hashes, _ = self.load()
         wanted = key_hash(task_id) if wanted is None else wanted
         at = bisect.bisect_left(hashes, wanted)
-        base = self.index_at + 8 * self.tasks
         while at < len(hashes) and hashes[at] == wanted:
-            row = self._row(self._pread(ENTRY.size, base + ENTRY.size * at))
-            if row[0] == task_id:
+            row = self.task_at(at, task_id)
+            if row is not None:
                 return row
             at += 1
         return None
+
+    def task_at(self, at: int, task_id: str) -> Any | None:
+        """The row at place ``at`` of the task index if it is task ``task_id``'s (hashes collide)."""
+        invariant(0 <= at < self.tasks, "a place of the task index")
+        row = self._row(self._pread(ENTRY.size, self.index_at + 8 * self.tasks + ENTRY.size * at))
+        return row if row[0] == task_id else None
 
     def position(self, submission_id: str, wanted: int | None = None) -> int | None:
         """The accepted position of ``submission_id`` if this file holds its receipt."""
         _, hashes = self.load()
         wanted = key_hash(submission_id) if wanted is None else wanted
         at = bisect.bisect_left(hashes, wanted)
-        base = self.index_at + (8 + ENTRY.size) * self.tasks + 8 * self.subs
         while at < len(hashes) and hashes[at] == wanted:
-            (position,) = _U64.unpack(self._pread(8, base + 8 * at))
-            if self.receipt(position)[0]["submission_id"] == submission_id:
-                return int(position)
+            position = self.position_at(at, submission_id)
+            if position is not None:
+                return position
             at += 1
         return None
 
+    def position_at(self, at: int, submission_id: str) -> int | None:
+        """The position at place ``at`` of the submission index if it is ``submission_id``'s."""
+        invariant(0 <= at < self.subs, "a place of the submission index")
+        base = self.index_at + (8 + ENTRY.size) * self.tasks + 8 * self.subs
+        (position,) = _U64.unpack(self._pread(8, base + 8 * at))
+        if not self.first <= position < self.stop:
+            raise self._corrupt(f"its submission index names position {position}, outside its receipts")
+        return int(position) if self.receipt(position)[0]["submission_id"] == submission_id else None
+
     def receipt(self, position: int) -> Any:
         """The row of accepted ``position``: [receipt, worker, packs]."""
-        invariant(self.first <= position < self.stop, "the position is in this file")
+        return self.receipts(position, position + 1)[0]
+
+    def receipts(self, start: int, stop: int) -> list[Any]:
+        """The rows of accepted positions ``start .. stop - 1``: their entries in one read, each
+        block read and inflated once (paging asks for a run of positions at a time)."""
+        invariant(self.first <= start < stop <= self.stop, "the positions are in this file")
         base = self.index_at + (8 + ENTRY.size) * self.tasks + 16 * self.subs
-        row = self._row(self._pread(ENTRY.size, base + ENTRY.size * (position - self.first)))
-        if not isinstance(row, list) or len(row) != 3 or row[0].get("position") != position:
-            raise self._corrupt(f"the receipt row of position {position} names another position")
-        return row
+        entries = self._pread(ENTRY.size * (stop - start), base + ENTRY.size * (start - self.first))
+        rows = []
+        for position, at in zip(range(start, stop), range(0, len(entries), ENTRY.size), strict=True):
+            row = self._row(entries[at : at + ENTRY.size])
+            if not isinstance(row, list) or len(row) != 3 or row[0].get("position") != position:
+                raise self._corrupt(f"the receipt row of position {position} names another position")
+            rows.append(row)
+        return rows
 
     def meta(self) -> Any:
         offset, length, checksum = self._meta_entry
@@ -313,13 +340,84 @@ def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[Histo
     return files
 
 
+class Merged:
+    """One sorted index over the task (``which`` 0) or submission (1) hashes of the first
+    ``count`` files of a history: each hash with its file's number and its place in that file's
+    index. Built from checked indexes, never changed (a new one replaces it), so a snapshot
+    thread may build it while calls read the one before."""
+
+    __slots__ = ("count", "hashes", "last", "owners", "places")
+
+    def __init__(
+        self,
+        last: HistoryFile,
+        count: int,
+        hashes: array.array[int],
+        owners: array.array[int],
+        places: array.array[int],
+    ) -> None:
+        self.last, self.count, self.hashes, self.owners, self.places = last, count, hashes, owners, places
+
+    def find(self, wanted: int) -> Iterator[tuple[int, int]]:
+        """(file number, place) of each entry whose hash is ``wanted``."""
+        at = bisect.bisect_left(self.hashes, wanted)
+        while at < len(self.hashes) and self.hashes[at] == wanted:
+            yield self.owners[at], self.places[at]
+            at += 1
+
+
+def merge(base: Merged | None, files: Sequence[HistoryFile], which: int) -> Merged:
+    """``base`` extended to every file of ``files`` (``base`` covers a prefix of them): the new
+    files' hashes are appended and the whole is sorted stably, which timsort does as a merge of
+    sorted runs (linear in the entries, plus a log factor in the files merged at once)."""
+    import numpy as np  # only the snapshot thread and the first lookup after a reopen merge
+
+    start = base.count if base is not None else 0
+    hashes, owners, places = [], [], []
+    if base is not None:
+        hashes.append(np.frombuffer(base.hashes, dtype=np.uint64))
+        owners.append(np.frombuffer(base.owners, dtype=np.uint32))
+        places.append(np.frombuffer(base.places, dtype=np.uint32))
+    for number in range(start, len(files)):
+        own = np.frombuffer(files[number].load()[which], dtype=np.uint64)
+        hashes.append(own)
+        owners.append(np.full(len(own), number, dtype=np.uint32))
+        places.append(np.arange(len(own), dtype=np.uint32))
+    joined = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
+    order = np.argsort(joined, kind="stable")
+
+    def pack(code: str, values: Any) -> array.array[int]:
+        out = array.array(code)
+        out.frombytes(values.tobytes())
+        return out
+
+    invariant(array.array("I").itemsize == 4, "array 'I' holds 32-bit values")
+    invariant(bool(files), "a merged index covers at least one file")
+    return Merged(
+        files[-1],
+        len(files),
+        pack("Q", joined[order]),
+        pack("I", np.concatenate(owners)[order] if owners else joined[:0].astype(np.uint32)),
+        pack("I", np.concatenate(places)[order] if places else joined[:0].astype(np.uint32)),
+    )
+
+
 class History:
     """The history files of one queue, oldest first: together they hold the accepted positions
-    ``0 .. base - 1`` (each file a contiguous range) and every task moved out of the state."""
+    ``0 .. base - 1`` (each file a contiguous range) and every task moved out of the state.
 
-    def __init__(self, files: Sequence[HistoryFile] = ()) -> None:
+    A lookup that misses memory must search every file (a new task id or submission id always
+    does). Once more than HISTORY_UNMERGED_FILES_MAX files are outside the merged index, the
+    next lookup merges them in (the snapshot thread usually did it already, :meth:`merged`),
+    so a miss costs one bisect of the merged hashes plus one per file not yet merged.
+    """
+
+    def __init__(
+        self, files: Sequence[HistoryFile] = (), merged: tuple[Merged, Merged] | None = None
+    ) -> None:
         self.files: list[HistoryFile] = list(files)
         self._firsts = [f.first for f in self.files]
+        self._merged = merged
 
     def __bool__(self) -> bool:
         return bool(self.files)
@@ -333,15 +431,69 @@ class History:
     def base(self) -> int:
         return self.files[-1].stop if self.files else 0
 
+    @property
+    def merged_indexes(self) -> tuple[Merged, Merged] | None:
+        """The merged indexes in use (immutable: a copy of the state shares them)."""
+        return self._merged
+
+    def merge_due(self) -> bool:
+        """Whether more than HISTORY_UNMERGED_FILES_MAX files are outside the merged indexes."""
+        covered = self._merged[0].count if self._merged is not None else 0
+        return len(self.files) - covered > HISTORY_UNMERGED_FILES_MAX
+
+    def extended(self) -> tuple[Merged, Merged]:
+        """The merged indexes (tasks, submissions) extended to every file, changing nothing
+        here: the snapshot thread builds them on its copy for the live state to :meth:`adopt`."""
+        merged = self._merged
+        return merge(merged[0] if merged else None, self.files, 0), merge(
+            merged[1] if merged else None, self.files, 1
+        )
+
+    def merged(self) -> tuple[Merged, Merged] | None:
+        """The merged indexes a lookup uses, extended now if :meth:`merge_due` (after a reopen,
+        or when no snapshot thread did it); None while the files are few."""
+        if self.merge_due():
+            self.adopt(self.extended())
+        return self._merged
+
+    def adopt(self, merged: tuple[Merged, Merged] | None) -> None:
+        """Use indexes merged over this history's first files (the snapshot thread's copy lists
+        the same file objects); the files they cover drop their own hashes."""
+        if merged is None:
+            return
+        count = merged[0].count
+        current = self._merged[0].count if self._merged is not None else 0
+        if count <= current or count > len(self.files) or merged[0].last is not self.files[count - 1]:
+            return  # older than the one in use, or over files this history does not list
+        self._merged = merged
+        for file in self.files[:count]:
+            file.unload()
+
+    def _covered(self) -> tuple[tuple[Merged, Merged] | None, Sequence[HistoryFile]]:
+        merged = self.merged()
+        return merged, self.files[merged[0].count :] if merged is not None else self.files
+
     def task(self, task_id: str) -> Any | None:
         """A task's row, or None (usually from the in-memory hashes alone, no read)."""
         wanted = key_hash(task_id)
-        found = (file.task(task_id, wanted) for file in reversed(self.files))
+        merged, rest = self._covered()
+        if merged is not None:
+            for number, place in merged[0].find(wanted):
+                row = self.files[number].task_at(place, task_id)
+                if row is not None:
+                    return row
+        found = (file.task(task_id, wanted) for file in reversed(rest))
         return next((row for row in found if row is not None), None)
 
     def position(self, submission_id: str) -> int | None:
         wanted = key_hash(submission_id)
-        found = (file.position(submission_id, wanted) for file in reversed(self.files))
+        merged, rest = self._covered()
+        if merged is not None:
+            for number, place in merged[1].find(wanted):
+                position = self.files[number].position_at(place, submission_id)
+                if position is not None:
+                    return position
+        found = (file.position(submission_id, wanted) for file in reversed(rest))
         return next((position for position in found if position is not None), None)
 
     def task_rows(self) -> Iterator[Any]:
@@ -350,11 +502,23 @@ class History:
 
     def receipt(self, position: int) -> Any:
         """[receipt, worker, packs] of an accepted position below ``base``."""
-        at = bisect.bisect_right(self._firsts, position) - 1
-        while at > 0 and not position < self.files[at].stop:
+        return self.receipts(position, position + 1)[0]
+
+    def receipts(self, start: int, stop: int) -> list[Any]:
+        """The rows of the accepted positions ``start .. stop - 1``, all below ``base``."""
+        invariant(0 <= start <= stop <= self.base, "positions on disk")
+        rows: list[Any] = []
+        at = bisect.bisect_right(self._firsts, start) - 1
+        while at > 0 and not start < self.files[at].stop:
             at -= 1  # a file without receipts shares its first position with the next one
-        invariant(at >= 0 and self.files[at].first <= position < self.files[at].stop, "position on disk")
-        return self.files[at].receipt(position)
+        while start < stop:
+            file = self.files[at]
+            end = min(stop, file.stop)
+            if start < end:
+                rows += file.receipts(start, end)
+                start = end
+            at += 1
+        return rows
 
     def counts(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -195,9 +195,8 @@ class QueueState:
             position = self.history.position(submission_id)
         return position
 
-    def _history_receipt(self, position: int) -> dict[str, Any]:
-        receipt: dict[str, Any] = self.history.receipt(position)[0]
-        return receipt
+    def _history_receipts(self, start: int, stop: int) -> list[dict[str, Any]]:
+        return [row[0] for row in self.history.receipts(start, stop)]
 
     def worker_at(self, position: int) -> str:
         base = self.commits.base
@@ -249,7 +248,7 @@ class QueueState:
     def attach(self, file: HistoryFile) -> None:
         """A durable history file (named by a durable snapshot) now answers for what it holds."""
         self.history.add(file)
-        self.commits.history = self._history_receipt
+        self.commits.history = self._history_receipts
 
     def forget_receipts(self, stop: int) -> list[str]:
         """Drop the receipts below ``stop`` from memory (``attach`` came first); their
@@ -323,10 +322,10 @@ class QueueState:
             ledger=self.ledger.copy(),
             counts=dict(self.counts),
             ref_packs=dict(self.ref_packs),
-            history=History(self.history.files),
+            history=History(self.history.files, self.history.merged_indexes),
             unfinished=set(self.unfinished),
         )
-        out.commits.history = out._history_receipt
+        out.commits.history = out._history_receipts
         return out
 
     # ------------------------------------------------------------------ helpers
