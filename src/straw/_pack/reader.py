@@ -51,18 +51,59 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 
-class SharedMemo(Generic[K, V]):
-    """A process-wide map of what verifying immutable bytes found, by their exact reference,
-    shared by the threads of the process: items weighing at most ``limit()`` in all (each
-    weighs 1 unless ``weight`` says otherwise), oldest first out. The bound is read on each
-    insertion, so it is the named limit's current value; the newest item always stays."""
+def _index_weight(index: frame.Index) -> int:
+    """What a parsed index frame weighs in the caches bounded in entries (at least 1)."""
+    return max(1, len(index.entries))
+
+
+class Bounded(Generic[K, V]):
+    """A map whose items weigh at most ``limit()`` in all (each weighs 1 unless ``weight`` says
+    otherwise), oldest first out; ``get(key, touch=True)`` makes an item the newest (least
+    recently used first out). The bound is read on each insertion, so it is the named limit's
+    current value; the newest item always stays. Not locked: see :class:`SharedMemo`."""
 
     def __init__(self, limit: Callable[[], int], weight: Callable[[V], int] | None = None) -> None:
         self._limit = limit
         self._weight = weight
-        self._lock = threading.Lock()
         self._items: OrderedDict[K, V] = OrderedDict()
         self._total = 0
+
+    def _weigh(self, value: V) -> int:
+        return self._weight(value) if self._weight is not None else 1
+
+    def get(self, key: K, *, touch: bool = False) -> V | None:
+        found = self._items.get(key)
+        if found is not None and touch:
+            self._items.move_to_end(key)
+        return found
+
+    def put(self, key: K, value: V) -> None:
+        self.put_all(((key, value),))
+
+    def put_all(self, items: Iterable[tuple[K, V]]) -> None:
+        for key, value in items:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._total -= self._weigh(old)
+            self._items[key] = value
+            self._total += self._weigh(value)
+        limit = self._limit()
+        while self._total > limit and len(self._items) > 1:
+            _, dropped = self._items.popitem(last=False)
+            self._total -= self._weigh(dropped)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._total = 0
+
+
+class SharedMemo(Generic[K, V]):
+    """A process-wide :class:`Bounded` map of what verifying immutable bytes found, by their
+    exact reference, shared by the threads of the process (each call takes its lock)."""
+
+    def __init__(self, limit: Callable[[], int], weight: Callable[[V], int] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._items: Bounded[K, V] = Bounded(limit, weight)
 
     def get(self, key: K) -> V | None:
         with self._lock:
@@ -72,23 +113,12 @@ class SharedMemo(Generic[K, V]):
         self.put_all(((key, value),))
 
     def put_all(self, items: Iterable[tuple[K, V]]) -> None:
-        weigh = self._weight
         with self._lock:
-            for key, value in items:
-                old = self._items.pop(key, None)
-                if old is not None:
-                    self._total -= weigh(old) if weigh else 1
-                self._items[key] = value
-                self._total += weigh(value) if weigh else 1
-            limit = self._limit()
-            while self._total > limit and len(self._items) > 1:
-                _, dropped = self._items.popitem(last=False)
-                self._total -= weigh(dropped) if weigh else 1
+            self._items.put_all(items)
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
-            self._total = 0
 
 
 #: Parsed index frames that any store of this process wrote or verified, by SegmentRef.
@@ -99,7 +129,7 @@ class SharedMemo(Generic[K, V]):
 #: thread of the same process published then skips re-reading and re-parsing it. Only
 #: readers made with ``shared=True`` consult it (validation, which returns no bytes).
 SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(
-    lambda: SHARED_INDEX_ENTRIES_MAX, lambda index: max(1, len(index.entries))
+    lambda: SHARED_INDEX_ENTRIES_MAX, _index_weight
 )
 
 
@@ -147,8 +177,10 @@ class PackReader:
         self.run_tag = frame.run_tag(run_id)
         self.max_open = max_open
         self._files: OrderedDict[str, _File] = OrderedDict()
-        self._indexes: OrderedDict[tuple[str, int, str], frame.Index] = OrderedDict()
-        self._index_entries = 0  # entries of the frames in _indexes
+        #: Parsed index frames, least recently used first out, bounded in entries.
+        self._indexes: Bounded[tuple[str, int, str], frame.Index] = Bounded(
+            lambda: INDEX_CACHE_ENTRIES_MAX, _index_weight
+        )
         self._checked: SegmentRef | None = None
         self._writers: set[str] = set()  # writer directories seen in this pool (a cache)
 
@@ -157,7 +189,6 @@ class PackReader:
             _, handle = self._files.popitem()
             posix.close_quietly(handle.fd)
         self._indexes.clear()
-        self._index_entries = 0
 
     # -- reference checks ----------------------------------------------------------
 
@@ -309,13 +340,12 @@ class PackReader:
             self.check_segment(segment)
             self._checked = segment
         key = (segment.path, segment.offset, segment.checksum)
-        cached = self._indexes.get(key)
+        cached = self._indexes.get(key, touch=True)
         if cached is not None:
-            self._indexes.move_to_end(key)
             return cached
         shared = SHARED_INDEXES.get(segment) if self.shared else None
         if shared is not None:
-            self._cache(key, shared)
+            self._indexes.put(key, shared)
             return shared
 
         def check(data: bytes | bytearray) -> frame.Index:
@@ -323,17 +353,9 @@ class PackReader:
             return frame.parse_index(body, len(data))
 
         parsed = self._verified(segment.path, segment.segment_id, segment.size, segment.offset, check)
-        self._cache(key, parsed)
+        self._indexes.put(key, parsed)
         SHARED_INDEXES.put(segment, parsed)
         return parsed
-
-    def _cache(self, key: tuple[str, int, str], index: frame.Index) -> None:
-        old = self._indexes.pop(key, None)
-        self._index_entries += len(index.entries) - (len(old.entries) if old is not None else 0)
-        self._indexes[key] = index
-        while self._index_entries > INDEX_CACHE_ENTRIES_MAX and len(self._indexes) > 1:
-            _, dropped = self._indexes.popitem(last=False)
-            self._index_entries -= len(dropped.entries)
 
     # -- discovery ---------------------------------------------------------------------------
 
