@@ -31,7 +31,7 @@ from straw._journal import frame
 from straw._journal.frame import Decision
 from straw._journal.log import Journal
 from straw._queue import events
-from straw._queue.machine import Answer, journal_body, new_state, state_from_dict, state_to_dict
+from straw._queue.machine import Answer, new_state, state_from_dict, state_to_dict
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, UnsafeRecovery, UnsupportedSchema
 from straw.limits import JOURNAL_COMPANY_APPENDS, JOURNAL_SYNCS_IN_FLIGHT, LOG_CLOSE_ZEROS
@@ -500,7 +500,7 @@ def _events(count: int) -> tuple[list[bytes], list[Any]]:
     def push(decision: Any) -> None:
         if isinstance(decision, Answer):
             return
-        out.append(journal_body(decision))
+        out.append(events.encode(decision))
         state.apply(decision)
         snapshots.append(encode(state_to_dict(state)))
 

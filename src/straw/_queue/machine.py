@@ -1214,11 +1214,6 @@ def ref_key(ref: Mapping[str, Any]) -> str:
     return f"{segment['path']}@{segment['offset']}#{manifest['ordinal']}"
 
 
-def journal_body(event: Event) -> bytes:
-    """The bytes journaled for an event (``events.encode``)."""
-    return ev.encode(event)
-
-
 _SPEC_FIELDS = (
     "task_id",
     "metadata",
