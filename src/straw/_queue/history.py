@@ -372,6 +372,8 @@ def merge(base: Merged | None, files: Sequence[HistoryFile], which: int) -> Merg
     sorted runs (linear in the entries, plus a log factor in the files merged at once)."""
     import numpy as np  # only the snapshot thread and the first lookup after a reopen merge
 
+    invariant(bool(files), "a merged index covers at least one file")
+    invariant(array.array("I").itemsize == 4, "array 'I' holds 32-bit values")
     start = base.count if base is not None else 0
     hashes, owners, places = [], [], []
     if base is not None:
@@ -383,22 +385,20 @@ def merge(base: Merged | None, files: Sequence[HistoryFile], which: int) -> Merg
         hashes.append(own)
         owners.append(np.full(len(own), number, dtype=np.uint32))
         places.append(np.arange(len(own), dtype=np.uint32))
-    joined = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
+    joined = np.concatenate(hashes)  # never empty: one part per file at least
     order = np.argsort(joined, kind="stable")
 
     def pack(code: str, values: Any) -> array.array[int]:
         out = array.array(code)
-        out.frombytes(values.tobytes())
+        out.frombytes(values[order].tobytes())
         return out
 
-    invariant(array.array("I").itemsize == 4, "array 'I' holds 32-bit values")
-    invariant(bool(files), "a merged index covers at least one file")
     return Merged(
         files[-1],
         len(files),
-        pack("Q", joined[order]),
-        pack("I", np.concatenate(owners)[order] if owners else joined[:0].astype(np.uint32)),
-        pack("I", np.concatenate(places)[order] if places else joined[:0].astype(np.uint32)),
+        pack("Q", joined),
+        pack("I", np.concatenate(owners)),
+        pack("I", np.concatenate(places)),
     )
 
 
