@@ -1,4 +1,4 @@
-"""The queue journal's events: one frozen dataclass per op, and their one codec (docs/FORMAT.md 8.2).
+"""The queue journal's events: one frozen dataclass per op, and their one codec (docs/FORMAT.md 8.3).
 
 Every mutating call journals one event (``QueueState.check_*`` makes it,
 ``QueueState.apply`` performs it, live and on replay). An event's journal body

@@ -12,7 +12,7 @@ its history release, its usage view and ``straw check`` all ask it (docs/GC.md "
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,7 +263,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ roots and accounting
 
-    def roots(self, finished: frozenset[str], add: Any) -> None:
+    def roots(self, finished: frozenset[str], add: Callable[[tuple[Any, ...], dict[str, Any]], None]) -> None:
         """The ledger's GC roots, each handed to ``add(label, ref)``: consumer states and
         progress records, batches not finished (``finished``), retained checkpoints."""
         for consumer_id, consumer in self.consumers.items():
