@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import gc
 import math
 import os
 import random
@@ -21,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +33,7 @@ from ._journal.log import Journal
 from ._queue import events as ev
 from ._queue import history as history_files
 from ._queue import validate
+from ._queue.collector import collector_paused
 from ._queue.ledger import TRAINING as TRAINING  # the consumer whose progress acknowledges
 from ._queue.machine import (
     COMPLETED,
@@ -94,20 +94,6 @@ QUEUE_VERSION = 1
 #: Snapshots past the threshold run in a thread of their own (J5). Tests that need one order
 #: of file-system calls run them in the calling thread instead.
 SNAPSHOTS_IN_BACKGROUND = True
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector paused while many small acyclic objects are built (replay, the
-    snapshot copy, a page of receipts): otherwise their allocation triggers full collections,
-    each a pass over the whole heap (about 0.4 s once torch is imported), inside the call."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def queue_directory(root: str, queue_id: str, namespace: bool) -> str:
@@ -489,7 +475,7 @@ class Coordinator:
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
-        with _collector_paused():
+        with collector_paused():
             recovered = (journal or self._journal).replay(apply, load, upto=upto)
         if upto is None:
             self.truncated_tail = recovered.truncated
@@ -638,7 +624,7 @@ class Coordinator:
         # The copy allocates one object per live task: the cycle collector is paused meanwhile
         # (as replay does), so a full collection of the whole heap never runs under the lock.
         started = time.perf_counter()
-        with _collector_paused():
+        with collector_paused():
             state = self._state.snapshot_copy()  # the state after frame seq: every frame is applied
         self._copy_seconds_max = max(self._copy_seconds_max, time.perf_counter() - started)
         if not SNAPSHOTS_IN_BACKGROUND:
@@ -1095,7 +1081,7 @@ class Coordinator:
 
         # A page builds several objects per receipt (more when they are decoded from history
         # files): without the pause, paging through a long log runs full collections.
-        with _collector_paused():
+        with collector_paused():
             page, done = self._query(read)
             commits = tuple(CommitReceipt.from_journal(c) for c in page)
         return CommitPage(commits, cursor + len(page), done)

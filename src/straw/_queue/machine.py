@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from ..errors import (
 from ..limits import TASK_METADATA_BYTES_MAX
 from ..protocol import AcquireStatus, Lease, RecordSetRef, TaskSpec, as_dict, digest, encode, unchecked
 from . import events as ev
+from .collector import collector_paused
 from .commits import CommitLog
 from .events import Answer as Answer  # re-exported: the event types live in ``events``
 from .events import Event as Event
@@ -1362,22 +1362,18 @@ def state_from_dict(
         if opener is None:
             raise UnsupportedSchema("this queue snapshot names history files; open it with its directory")
         files = open_files(opener, described)  # trailers only: CorruptData names a bad file
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        state = _state_from_dict(data, limits)
-        for file in files:
-            state.attach(file)
-        for status, count in state.history.counts().items():
-            state.counts[status] += count
+        with collector_paused():
+            state = _state_from_dict(data, limits)
+            for file in files:
+                state.attach(file)
+            for status, count in state.history.counts().items():
+                state.counts[status] += count
         invariant(state.history.base == state.commits.base, "history files hold the receipts below base")
         return state
     except (KeyError, IndexError, TypeError, ValueError) as error:
         # The frame's checksum held, so only a writer bug produces this; never guess past it.
         raise CorruptData(f"queue snapshot is malformed ({type(error).__name__}: {error})") from None
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> QueueState:
