@@ -500,7 +500,8 @@ TestCoordinatorModel = CoordinatorModel.TestCase
 
 
 class SpillingCoordinatorModel(CoordinatorModel):
-    """The same model with a snapshot after every call, in the calling thread: what turns
+    """The same model with a snapshot at every call that no takeover (H3) holds back, in the
+    calling thread (``snapshot_at_the_next_call``): what turns
     terminal moves to history files at once (docs/FORMAT.md 8.4), so every lookup below is
     answered from disk for most of history, and must stay exact (issue 12 item 1). Files are
     merged into the merged hash index as soon as two are outside it, so lookups go through
@@ -526,6 +527,13 @@ class SpillingCoordinatorModel(CoordinatorModel):
                 coordinator_module.SNAPSHOTS_IN_BACKGROUND,
                 history_module.HISTORY_UNMERGED_FILES_MAX,
             ) = self._saved
+
+    @invariant()
+    def snapshot_at_the_next_call(self) -> None:
+        # The threshold is the larger of JOURNAL_SNAPSHOT_BYTES_MIN (1 here) and the size of the
+        # last snapshot, which alone would allow one snapshot every few calls: forgetting that
+        # size makes the next call snapshot (unless a takeover is still under way, H3).
+        self.coord._journal.snapshot_bytes = 0
 
     @invariant()
     def lookups_exact(self) -> None:
