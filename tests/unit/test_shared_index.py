@@ -9,6 +9,7 @@ its metadata out of the cache.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import pytest
 from straw import Publication, Record, RecordSetRef, SharedFilesystemStore
 from straw._pack import reader
 from straw.errors import CorruptData, InvalidReference
+
+
+class _Flag(str, enum.Enum):
+    ON = "on"
 
 
 @pytest.fixture(autouse=True)
@@ -66,9 +71,31 @@ def test_ownership_is_checked_against_the_metadata_as_published(tmp_path: Path) 
     coordinator_store.close()
 
 
-def test_nested_metadata_is_not_shared_and_validation_reads_the_disk(tmp_path: Path) -> None:
+def test_nested_metadata_is_shared_as_a_copy_equal_to_the_stored_index(tmp_path: Path) -> None:
     writer, coordinator_store = _stores(tmp_path)
-    metadata = {"task_id": "t1", "attempt_id": "a1", "tags": ["x"]}
+    metadata = {"task_id": "t1", "attempt_id": "a1", "tensor": {"shape": [2, 3], "kind": "k"}}
+    ref = writer.publish([Record("r", b"x", metadata=metadata)], submission_id="s")
+    shared = reader.SHARED_INDEXES.get(ref.manifest.segment)
+    assert shared is not None
+    metadata["tensor"]["shape"].append(4)  # the caller's nested values stay theirs
+    metadata["tensor"]["kind"] = "changed"
+    with coordinator_store.read_session() as session:  # a read verifies the index on disk
+        stored = session.index(ref.manifest.segment)
+    assert shared.entries[0].metadata == stored.entries[0].metadata
+    assert shared.entries[0].metadata["tensor"] == {"shape": [2, 3], "kind": "k"}
+    writer.close()
+    coordinator_store.close()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [(1, 2), {"nested": ("a",)}, {1: "int key"}, _Flag.ON],
+    ids=["tuple", "nested tuple", "int key", "str enum"],
+)
+def test_metadata_whose_stored_form_differs_is_not_shared(tmp_path: Path, extra: object) -> None:
+    """A tuple is read back as a list, an enum as its value: such an index is read from disk."""
+    writer, coordinator_store = _stores(tmp_path)
+    metadata = {"task_id": "t1", "attempt_id": "a1", "extra": extra}
     ref = writer.publish([Record("r", b"x", metadata=metadata)], submission_id="s")
     assert reader.SHARED_INDEXES.get(ref.manifest.segment) is None
     _damage_index(tmp_path, ref)

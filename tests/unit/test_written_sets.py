@@ -117,16 +117,28 @@ def test_an_equal_reference_with_a_bool_ordinal_is_refused(store: SharedFilesyst
         session.resolve(sneaky)
 
 
-def test_a_set_whose_metadata_the_caller_can_still_change_is_not_remembered(
+def test_a_set_with_nested_metadata_is_remembered_as_published(
     store: SharedFilesystemStore, digests: list[int]
 ) -> None:
     metadata: dict[str, Any] = {"task_id": "t", "nested": [1, 2]}
     ref = store.publish([Record("a", b"payload", metadata=metadata)], submission_id="s")
-    metadata["nested"].append(3)
-    assert WRITTEN_SETS.get(ref) is None
+    metadata["nested"].append(3)  # the caller's list is not the one remembered
+    assert WRITTEN_SETS.get(ref) is not None
     digests[0] = 0
     with _session(store) as session:
         assert session.resolve(ref).records[0].entry.metadata == {"task_id": "t", "nested": [1, 2]}
+    assert digests[0] == 0
+
+
+def test_a_set_whose_metadata_reads_back_otherwise_is_not_remembered(
+    store: SharedFilesystemStore, digests: list[int]
+) -> None:
+    metadata: dict[str, Any] = {"task_id": "t", "pair": (1, 2)}  # stored as a list
+    ref = store.publish([Record("a", b"payload", metadata=metadata)], submission_id="s")
+    assert WRITTEN_SETS.get(ref) is None
+    digests[0] = 0
+    with _session(store) as session:
+        assert session.resolve(ref).records[0].entry.metadata == {"task_id": "t", "pair": [1, 2]}
     assert digests[0] == 1
 
 

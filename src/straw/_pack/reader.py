@@ -44,7 +44,6 @@ INDEX_CACHE_ENTRIES_MAX = 16384
 #: process (``SHARED_INDEXES``): counted in entries, not frames, since one ``publish_many``
 #: frame may hold thousands (at about 1 KB each in memory, this is some 16 MiB).
 SHARED_INDEX_ENTRIES_MAX = 16384
-_SCALARS = (str, int, float, bool, type(None))
 
 
 K = TypeVar("K")
@@ -136,12 +135,10 @@ SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(
 def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[frame.IndexEntry]) -> None:
     """Share the index of an extent this process just made durable (the writer calls it).
 
-    The writer's entries hold copies of the callers' metadata (``PackWriter._layout``); only
-    flat ones are shared, so nothing a caller still holds can change a cached index.
+    The writer calls it only with entries whose metadata is a plain JSON copy sharing no
+    container with its callers' (``writer._owned``): nothing a caller still holds can change
+    a cached index, and the entries equal what reading the index frame back would give.
     """
-    for e in entries:
-        if e.inline is None and not all(type(v) in _SCALARS for v in e.metadata.values()):
-            return
     SHARED_INDEXES.put(segment, frame.Index(submission_id, CHUNK_BYTES, tuple(entries)))
 
 

@@ -12,9 +12,9 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -75,6 +75,40 @@ class BufferChanged(ValueError):
     """A caller changed a payload buffer while it was being published (D1.2b)."""
 
 
+class _NotPlain(Exception):
+    """Metadata holding something its stored JSON form would change (a tuple, an enum, ...)."""
+
+
+def _owned(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A copy of a record's metadata sharing no container with the caller's, or ``None``.
+
+    ``None`` when the metadata holds anything but exact JSON types (str-keyed dicts, lists,
+    str, int, float, bool, None): its stored form would differ (a tuple is read back as a
+    list, a dataclass as a dict), so its index must not be shared as written.
+    """
+    try:
+        return {_plain_key(key): _plain_value(value) for key, value in metadata.items()}
+    except _NotPlain:
+        return None
+
+
+def _plain_key(key: object) -> str:
+    if type(key) is not str:
+        raise _NotPlain
+    return key
+
+
+def _plain_value(value: Any) -> Any:
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    if kind is dict:
+        return {_plain_key(key): _plain_value(item) for key, item in value.items()}
+    if kind is list:
+        return [_plain_value(item) for item in value]
+    raise _NotPlain
+
+
 def _unchanged(entries: Sequence[Entry]) -> None:
     """D1.2b: every payload still hashes to what its index frame records, now that its bytes
     were written from the caller's memory; a buffer changed meanwhile would leave an extent
@@ -104,6 +138,7 @@ class _Layout(NamedTuple):
     checksum: str
     submission_id: str
     entries: list[frame.IndexEntry]
+    shareable: bool  # every entry's metadata is a plain copy (_owned): readers may share them
 
 
 class PackWriter:
@@ -206,6 +241,7 @@ class PackWriter:
         buffers: list[posix.Buffer] = []
         placed: list[frame.IndexEntry] = []
         position = start
+        shareable = True
         for e in entries:
             if e.inline is not None:
                 placed.append(frame.inline_entry(e.record_id, e.inline))
@@ -213,11 +249,14 @@ class PackWriter:
             buffers.append(frame.encode_frame_header(frame.KIND_RECORD, e.payload.nbytes, e.content))
             buffers.append(e.payload)
             position += frame.FRAME_HEADER_BYTES
+            metadata = _owned(e.metadata)  # a copy: the caller's values stay theirs to change
+            if metadata is None:
+                shareable, metadata = False, dict(e.metadata)
             placed.append(
                 frame.IndexEntry(
                     e.record_id,
                     e.codec,
-                    dict(e.metadata),  # a copy: the caller's dict stays theirs to change
+                    metadata,
                     e.tokens,
                     position,
                     e.payload.nbytes,
@@ -230,7 +269,7 @@ class PackWriter:
             frame.KIND_INDEX, frame.index_body(submission_id, placed)
         )
         buffers += [head, body]
-        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed)
+        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed, shareable)
 
     def _chunk_phases(self, entries: Sequence[frame.IndexEntry]) -> None:
         """The peer's ``after_payload_chunk`` phase, once per payload chunk written (all of an
@@ -291,7 +330,8 @@ class PackWriter:
         pack.manifests[index_offset] = list(manifests)
         self.bytes_written += written
         invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
-        reader.remember_written(segment, layout.submission_id, layout.entries)
+        if layout.shareable:
+            reader.remember_written(segment, layout.submission_id, layout.entries)
         try:
             self.backend.fault("after_data_sync")
         except BaseException as error:
@@ -345,7 +385,8 @@ class PackWriter:
             raise
         # The pack is visible from here on: failures are uncertain, not failed (D2.5).
         self.packs_created += 1
-        reader.remember_written(segment, layout.submission_id, layout.entries)
+        if layout.shareable:
+            reader.remember_written(segment, layout.submission_id, layout.entries)
         self.bytes_written += written
         extents = {index_offset: list(manifests)}
         if standalone:
