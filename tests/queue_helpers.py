@@ -133,3 +133,24 @@ def directory_files(directory: str) -> dict[str, bytes]:
             with open(os.path.join(folder, name), "rb") as handle:
                 out[f"{sub}/{name}"] = handle.read()
     return out
+
+
+def catalog_events(root: Path) -> list[dict[str, Any]]:
+    """Every event the pool's catalog log holds past its snapshot, in order (read from disk)."""
+    from straw._catalog.log import load_catalog
+    from straw._catalog.state import CatalogState
+
+    seen: list[dict[str, Any]] = []
+    original = CatalogState.apply
+
+    def spy(state: CatalogState, event: Any) -> None:
+        seen.append(dict(event))
+        original(state, event)
+
+    CatalogState.apply = spy  # type: ignore[method-assign]
+    try:
+        loaded = load_catalog(str(root / "catalog"))
+    finally:
+        CatalogState.apply = original  # type: ignore[method-assign]
+    assert loaded.problem is None, loaded.problem
+    return seen

@@ -727,14 +727,31 @@ class SharedFilesystemStore:
     # -- writing: public -------------------------------------------------------------------
 
     def publish(
-        self, records: Iterable[Record], *, submission_id: str, dependencies: Iterable[RecordSetRef] = ()
+        self,
+        records: Iterable[Record],
+        *,
+        submission_id: str,
+        dependencies: Iterable[RecordSetRef] = (),
+        owned_dependencies: Iterable[RecordSetRef] = (),
     ) -> RecordSetRef:
-        """Durably publish one record set; returns its reference (D1/D2)."""
+        """Durably publish one record set; returns its reference (D1/D2).
+
+        ``owned_dependencies`` (ours, a subset of ``dependencies``) are dependencies an owner
+        already keeps alive until a queue adopts this publication or the caller drops it, such
+        as the input of the task this publication completes, which the queue owns while the
+        caller's lease lasts: they are not staged again, which saves a catalog frame and its
+        sync (docs/GC.md "Staging and writers"). Should that owner let them go first, the
+        publication is left dangling: its reads, and a queue's validation of it, fail.
+        """
         publication = Publication(tuple(records), tuple(dependencies))
         for dep in publication.dependencies:
             if not isinstance(dep, RecordSetRef):
                 raise TypeError(f"publish dependencies must be RecordSetRef, got {type(dep).__name__}")
-        return self._publish("publish", [publication], submission_id)[0]
+        owned = tuple(owned_dependencies)
+        for dep in owned:
+            if not isinstance(dep, RecordSetRef) or dep not in publication.dependencies:
+                raise ValueError(f"owned_dependencies must be among the dependencies, got {dep!r}")
+        return self._publish("publish", [publication], submission_id, owned=frozenset(owned))[0]
 
     def publish_many(
         self, publications: Iterable[Publication], *, submission_id: str
@@ -841,7 +858,13 @@ class SharedFilesystemStore:
             out.append({"digest": dep.digest, "ref": as_dict(dep)})
         return out
 
-    def _publish(self, kind: str, publications: list[Publication], submission_id: str) -> list[RecordSetRef]:
+    def _publish(
+        self,
+        kind: str,
+        publications: list[Publication],
+        submission_id: str,
+        owned: frozenset[RecordSetRef] = frozenset(),
+    ) -> list[RecordSetRef]:
         check_text(submission_id, "submission_id", SUBMISSION_ID_BYTES_MAX)
         entries: list[Entry] = []
         sets: list[tuple[int, str, int, int, int]] = []  # manifest ordinal, digest, records, bytes, tokens
@@ -865,7 +888,9 @@ class SharedFilesystemStore:
             self._check_count(len(entries))
         fingerprint = kind + ":" + ",".join(s[1] for s in sets)
         staged = {
-            sets[number][0]: [d for d in publication.dependencies if isinstance(d, RecordSetRef)]
+            sets[number][0]: [
+                d for d in publication.dependencies if isinstance(d, RecordSetRef) and d not in owned
+            ]
             for number, publication in enumerate(publications)
         }
         self._stage(submission_id, staged)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import straw.rollout.reader as reader_module
+from queue_helpers import catalog_events
 from rollout_helpers import finish, group_indices, interrupt, prompt_rows
 from straw.errors import CorruptData, LeaseExpired
 from straw.protocol import Lease, RecordSetRef, TaskSpec
@@ -194,6 +195,27 @@ def test_returning_an_accepted_leased_group_delivers_it(
     reader.add_samples([group])  # as if the reply was lost: the lease still sits on the samples
     (delivery,) = [t for t in controller.queue.tasks if t.startswith("prompt:delivery:")]
     assert controller.status(delivery)["spec"]["metadata"]["source_positions"] == [0]  # type: ignore[index]
+
+
+def test_a_published_group_stages_no_owner_for_its_prompt(
+    open_controller: OpenController, open_reader: OpenReader
+) -> None:
+    """The queue keeps the prompt through the lease's read (docs/GC.md "Staging and writers"),
+    so the result vouches for it; the accepted result then keeps it alive."""
+    controller = open_controller()
+    reader = open_reader(controller)
+    (group,) = reader.get_samples(1)
+    prompt = group[0]._queue_prompt.manifest
+    finish(group)
+    root = Path(controller.config.rollout_data_dir)
+    ref = reader.publish_group(group, rollout_id=0)
+    store = rollout_store(controller.config).store
+    assert store.owners("staging:") == []  # (flushes the deferred release of the result)
+    retains = [e["owner"] for e in catalog_events(root) if e["op"] == "retain"]
+    assert not [owner for owner in retains if owner.startswith("staging:")]
+    (accepted,) = load_groups([ref])
+    assert accepted[0]._queue_prompt.manifest == prompt  # still a dependency edge of the result
+    assert prompt.manifest.segment.path in store.reach([ref.manifest])
 
 
 # --------------------------------------------------------------------------- scenario 21

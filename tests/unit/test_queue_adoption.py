@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from queue_helpers import catalog_events
 from straw import coordinator as coordinator_module
 from straw.backend import FilesystemBackend
 from straw.coordinator import Coordinator
-from straw.errors import IndeterminateCommit, StorageUnavailable
+from straw.errors import IndeterminateCommit, InvalidReference, StaleAttempt, StorageUnavailable
 from straw.protocol import Lease, Publication, Record, RecordSetRef, TaskSpec, encode
 from straw.store import SharedFilesystemStore
 
@@ -288,18 +289,7 @@ def test_a_writer_without_online_gc_keeps_adopted_packs_until_it_exits(pool: Poo
 
 
 def _events(pool: Pool) -> list[dict[str, Any]]:
-    from straw._catalog.log import Catalog
-
-    seen: list[dict[str, Any]] = []
-    catalog = Catalog(FilesystemBackend(pool.root))
-    original = catalog.state.apply
-    catalog.state.apply = lambda event: (seen.append(dict(event)), original(event))[1]  # type: ignore[method-assign]
-    try:
-        with catalog.locked():
-            pass
-    finally:
-        catalog.close()
-    return seen
+    return catalog_events(pool.root)
 
 
 def test_a_duplicate_request_adopts_nothing_new(pool: Pool) -> None:
@@ -326,3 +316,88 @@ def test_a_task_whose_input_was_deleted_outside_collection_is_refused_and_not_su
     fresh = pool.put("again")
     pool.queue.submit_tasks("r2", [TaskSpec("t", input_ref=fresh)])
     assert pool.queue.task_status("t") is not None
+
+
+# -- owned dependencies: an owner vouches for them, so the publication stages none ---------
+
+
+def _owned_result(pool: Pool, other: SharedFilesystemStore) -> tuple[Lease, RecordSetRef, RecordSetRef]:
+    """A task whose input is a prompt in another writer's pack, and its result that depends
+    on the prompt, published with the prompt as an owned dependency."""
+    prompt = other.publish([Record("prompt", b"p" * 100)], submission_id="prompt")
+    pool.queue.submit_tasks("r1", [TaskSpec("t", input_ref=prompt)])  # the queue owns it now
+    other.seal()
+    lease = pool.lease("t")
+    meta = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
+    before = len(_events(pool))
+    result = pool.writer.publish(
+        [Record("out", b"out", metadata=meta)],
+        submission_id="out",
+        dependencies=(prompt,),
+        owned_dependencies=(prompt,),
+    )
+    assert len(_events(pool)) == before  # no staging owner, so no catalog frame
+    assert pool.writer.owners("staging:") == []
+    return lease, prompt, result
+
+
+def test_an_owned_dependency_is_kept_by_the_queue_until_the_adopted_result_is_acknowledged(
+    pool: Pool,
+) -> None:
+    other = pool.store(online_gc=True)
+    lease, prompt, result = _owned_result(pool, other)
+    pool.queue.complete_task(lease, submission_id="c1", result_ref=result, result_digest=result.digest)
+    pool.writer.seal()
+    assert pool.queue.collect_garbage()["reclaimed_files"] == 0  # the result reaches the prompt
+    assert pool.writer.explain(prompt.manifest.segment.path)["owners"] == [pool.queue._gc_owner]
+    pool.acknowledge(1)
+    assert pool.queue.collect_garbage()["reclaimed_files"] == 2  # the result's pack and the prompt's
+    other.close()
+
+
+def test_an_owned_dependency_let_go_first_leaves_the_publication_dangling_never_accepted(
+    pool: Pool,
+) -> None:
+    other = pool.store(online_gc=True)
+    lease, prompt, result = _owned_result(pool, other)
+    pool.queue.cancel_task("t", request_id="c1")
+    assert pool.queue.collect_garbage()["reclaimed_files"] == 0  # the worker's read keeps the input
+    pool.queue.retire_worker("w")  # its read ends: the owner the caller vouched for lets go
+    assert pool.queue.collect_garbage()["reclaimed_files"] == 1  # the prompt: nothing stages it
+    assert prompt.manifest.segment.path not in pool.packs()
+    with pytest.raises(StaleAttempt):
+        pool.queue.complete_task(lease, submission_id="c1", result_ref=result, result_digest=result.digest)
+    with pytest.raises(InvalidReference, match="garbage-collected"):
+        pool.writer.retain("keeper", [result])  # whoever holds it learns it is gone
+    other.close()
+
+
+def test_a_dependency_staged_as_usual_survives_the_same_cancel(pool: Pool) -> None:
+    other = pool.store(online_gc=True)
+    prompt = other.publish([Record("prompt", b"p" * 100)], submission_id="prompt")
+    pool.queue.submit_tasks("r1", [TaskSpec("t", input_ref=prompt)])
+    other.seal()
+    pool.lease("t")
+    pool.put("result", dependencies=(prompt,))  # staged: its writer keeps the prompt alive
+    pool.queue.cancel_task("t", request_id="c1")
+    pool.queue.retire_worker("w")
+    assert pool.queue.collect_garbage()["reclaimed_files"] == 0
+    other.close()
+
+
+@pytest.mark.parametrize("owned", ["not among them", "a ref that is no dependency"])
+def test_owned_dependencies_must_be_among_the_dependencies(pool: Pool, owned: str) -> None:
+    dependency = pool.put("dependency")
+    stranger = pool.put("stranger")
+    bad: object = owned if owned == "not among them" else stranger
+    packs = {p: (pool.root / p).stat().st_size for p in pool.packs()}
+    with pytest.raises(ValueError, match="owned_dependencies must be among the dependencies"):
+        pool.writer.publish(
+            [Record("r", b"r")],
+            submission_id="bad",
+            dependencies=(dependency,),
+            owned_dependencies=(bad,),  # type: ignore[arg-type]
+        )
+    assert {p: (pool.root / p).stat().st_size for p in pool.packs()} == packs
+    # Nothing was written under the id: it is still free for other content.
+    pool.writer.publish([Record("other", b"o")], submission_id="bad")

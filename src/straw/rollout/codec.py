@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -384,15 +384,29 @@ class SampleCodec:
             raise _translate(error) from error
 
     def publish(
-        self, value: Any, *, submission_id: str, metadata: Mapping[str, Any] | None = None
+        self,
+        value: Any,
+        *,
+        submission_id: str,
+        metadata: Mapping[str, Any] | None = None,
+        owned: Collection[RecordSetRef] = (),
     ) -> RecordSetRef:
-        """Publish one value as one publication (one durable write); returns its reference."""
+        """Publish one value as one publication (one durable write); returns its reference.
+
+        Dependencies of the value found in ``owned`` are kept alive by an owner until the
+        publication is adopted (the store's ``owned_dependencies``), so they are not staged.
+        """
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata= is a mapping, got {type(metadata).__name__}")
         (publication,) = self._encode([value], metadata, single=True)
         records = publication.records
         dependencies = [d for d in publication.dependencies if isinstance(d, RecordSetRef)]
-        return self.store.publish(records, submission_id=submission_id, dependencies=dependencies)
+        return self.store.publish(
+            records,
+            submission_id=submission_id,
+            dependencies=dependencies,
+            owned_dependencies=[d for d in dependencies if d in owned],
+        )
 
     def publish_many(
         self,

@@ -376,13 +376,25 @@ def pack_group(
     bound = rollout_store(config)
     metadata = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
     name = f"group:{lease.attempt_id}"
+    # The prompt is reached from the task's input, which the queue owns while the lease lasts:
+    # the result needs no staging of it of its own (the store's owned_dependencies). If the
+    # lease is lost, completion fails and the publication is never used.
+    owned = _leased_prompts(group)
     with bound.lock:
-        manifest = settled(lambda: bound.codec.publish(group, submission_id=name, metadata=metadata))
+        manifest = settled(
+            lambda: bound.codec.publish(group, submission_id=name, metadata=metadata, owned=owned)
+        )
     receipt = controller.complete(lease, manifest)
     release_publications(config, [manifest])  # the queue's accepted log holds it now
     return RolloutGroupRef(
         receipt.result_ref, str(bound.store.backend.root), index=first.index, receipt=receipt
     )
+
+
+def _leased_prompts(group: Any) -> set[RecordSetRef]:
+    """The original prompts (``_queue_prompt``) of a group's samples."""
+    prompts = (getattr(sample, "_queue_prompt", None) for sample in iter_samples(group))
+    return {prompt.manifest for prompt in prompts if isinstance(prompt, DiskPayloadRef)}
 
 
 def _tensor_refs(group: Any) -> list[TensorRef]:
