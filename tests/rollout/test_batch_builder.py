@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rollout_helpers import finish
+from straw.errors import InvalidReference
 from straw.protocol import RecordSetRef
 from straw.rollout import batch as batch_module
 from straw.rollout.batch import BatchBuilder, ParallelConfig, load_rank_batch
@@ -285,6 +286,35 @@ def test_scenario_31_positions_completion_and_the_training_view(
     assert controller.batch(builder.batch_id)["position"] == 3  # type: ignore[arg-type, index]
     with pytest.raises(ValueError, match="does not match the current batch"):
         builder.training_completed(5)
+
+
+def test_online_gc_releases_trained_positions_above_a_group_left_for_later(
+    make_config: MakeConfig, open_controller: OpenController, open_reader: OpenReader
+) -> None:
+    """An accepted group left for a later step holds the processed cursor back while later
+    positions are trained and collected: the controller's own reads of the accepted log (its
+    metrics, a checkpoint's payload) page around the released positions (`straw demo
+    --online-gc` failed at its first checkpoint)."""
+    config = make_config(
+        rollout_batch_size=1, n_samples_per_prompt=2, rollout_queue_online_gc=True, gc_interval_seconds=3600.0
+    )
+    controller = open_controller(config)
+    reader = open_reader(controller)
+    left, trained = reader.get_samples(2)
+    reader.publish_group(finish(left), rollout_id=0)  # position 0, not in this step's rollout
+    ref = reader.publish_group(finish(trained), rollout_id=0)  # position 1
+    raw = accept_raw_rollout([ref], config=config, controller=controller, rollout_id=0)  # 2
+    builder = BatchBuilder(config, controller)
+    builder.build(raw, load_groups(raw), rollout_id=0)  # the conversion: position 3
+    builder.training_completed(0)  # 1, 2 and 3 processed; the online pass releases them
+    with pytest.raises(InvalidReference, match="released by garbage collection"):
+        controller.queue.read_commits(0, 4)
+    assert controller.metrics()["accepted_unprocessed"]["count"] == 1
+    payload = DiskPayloadRef(controller.checkpoint_snapshot(1), str(config.rollout_data_dir)).load()
+    assert payload["training"]["processed_cursor"] == 0
+    assert payload["training"]["processed_positions"] == [1, 2, 3]
+    accepted = [(e["stage"], e["position"]) for e in payload["unfinished"] if e["position"] is not None]
+    assert accepted == [("ready", 0)]  # the group left for later; fresh prompts are listed too
 
 
 def test_in_memory_conversion_without_a_raw_reference(make_config: MakeConfig) -> None:

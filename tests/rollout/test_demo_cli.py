@@ -27,6 +27,9 @@ def test_the_demo_runs_end_to_end_and_writes_its_plot_and_summary(tmp_path: Path
         [
             sys.executable, "-m", "straw.cli", "demo", "--dir", str(root), "--steps", "3", "--nodes", "2",
             "--prompts-per-step", "2", "--samples-per-prompt", "4", "--save-interval", "2",
+            # Online GC between checkpoints (test_batch_builder pins the case that once crashed
+            # the first checkpoint of a longer run: released positions above the processed cursor).
+            "--online-gc",
         ],
         capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip

@@ -26,6 +26,30 @@ def test_gaps_keep_positions_above_the_cursor() -> None:
     assert filled.advance([2], {}).processed_cursor == 4
 
 
+def test_unprocessed_runs_step_around_processed_positions() -> None:
+    view = TrainingView().advance([1, 2, 5], {})  # cursor 0, processed 1, 2, 5
+    assert view.unprocessed_run(0) == (0, 1)
+    assert view.unprocessed_run(1) == (3, 5)  # 1 and 2 are skipped
+    assert view.unprocessed_run(5) == (6, None)
+    assert TrainingView().advance([0, 1], {}).unprocessed_run(0) == (2, None)  # from the cursor
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 40), max_size=20), st.integers(0, 45))
+def test_runs_cover_exactly_the_unprocessed_positions(processed: set[int], log: int) -> None:
+    """Paging through runs from the cursor, as the controller reads the accepted log, meets every
+    unprocessed position below ``log`` once and never a processed one."""
+    view = TrainingView().advance(sorted(processed), {})
+    met, cursor = [], view.processed_cursor
+    while cursor < log:  # each run ends at a processed position or at the log's end
+        start, stop = view.unprocessed_run(cursor)
+        end = log if stop is None else min(stop, log)
+        met += range(start, end)
+        cursor = max(end, start + 1) if stop is not None else log
+    assert met == view.unprocessed(log)
+    assert not any(view.is_processed(p) for p in met)
+
+
 def test_a_newly_processed_position_processes_what_its_task_replaced() -> None:
     view = TrainingView().advance([3], {3: [0, 1]})
     assert view.processed_cursor == 2 and view.positions() == [3]

@@ -80,6 +80,19 @@ class TrainingView:
         """Positions below ``commits`` that are not processed, ascending."""
         return [p for p in range(self.processed_cursor, commits) if p not in self.processed]
 
+    def unprocessed_run(self, start: int) -> tuple[int, int | None]:
+        """The first unprocessed position at or after ``start``, and the next processed
+        position after it (``None``: every later position is unprocessed).
+
+        Readers of the accepted log page through these runs only: a processed position may
+        already be released by garbage collection, and reading it would fail.
+        """
+        first = max(start, self.processed_cursor)
+        while first in self.processed:  # bounded by the size of the processed set
+            first += 1
+        later = [p for p in self.processed if p > first]
+        return first, min(later) if later else None
+
     def positions(self) -> list[int]:
         """The processed positions above the cursor, ascending (what a saved state lists)."""
         return sorted(self.processed)

@@ -731,15 +731,18 @@ class QueueController:
             return found
 
     def _unprocessed(self, queue: Coordinator) -> Iterator[CommitReceipt]:
-        """Accepted results the training view has not processed, in position order."""
+        """Accepted results the training view has not processed, in position order.
+
+        Pages never cover a processed position: with online GC it may be released already.
+        """
         view = self._training.view
         cursor = view.processed_cursor
         while True:  # bounded by the accepted log's length
-            page = queue.read_commits(cursor, COMMIT_PAGE)
-            for receipt in page.commits:
-                if not view.is_processed(receipt.position):
-                    yield receipt
-            if len(page.commits) < COMMIT_PAGE:
+            start, stop = view.unprocessed_run(cursor)
+            limit = COMMIT_PAGE if stop is None else min(COMMIT_PAGE, stop - start)
+            page = queue.read_commits(start, limit)
+            yield from page.commits
+            if len(page.commits) < limit:  # the log ends (a processed position never lies past it)
                 return
             cursor = page.cursor
 
