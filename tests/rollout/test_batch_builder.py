@@ -310,6 +310,7 @@ def test_online_gc_releases_trained_positions_above_a_group_left_for_later(
     with pytest.raises(InvalidReference, match="released by garbage collection"):
         controller.queue.read_commits(0, 4)
     assert controller.metrics()["accepted_unprocessed"]["count"] == 1
+    assert [r.position for r in controller.unprocessed_receipts()] == [0]
     payload = DiskPayloadRef(controller.checkpoint_snapshot(1), str(config.rollout_data_dir)).load()
     assert payload["training"]["processed_cursor"] == 0
     assert payload["training"]["processed_positions"] == [1, 2, 3]

@@ -1055,6 +1055,12 @@ class QueueController:
             body = self._training.body()
         return {k: body[k] for k in ("processed_cursor", "fetch_cursor", "processed_positions", "batches")}
 
+    def unprocessed_receipts(self) -> list[CommitReceipt]:
+        """The accepted results the training view has not processed, in position order."""
+        queue = self._usable()
+        with self._training_lock:
+            return list(self._unprocessed(queue))
+
     def metrics(self) -> dict[str, Any]:
         """Tasks by state, commits, unprocessed accepted results, returned groups, failures, GC."""
         queue = self._usable()

@@ -468,20 +468,12 @@ def queue_facts(controller: Any) -> dict[str, Any]:
         if task_id.startswith("prompt:") and status["state"] in ("pending", "leased")
         if (g := group_of(task_id)) is not None
     ]
-    view = controller.training_view()
-    processed = set(view["processed_positions"])
-    cursor = int(view["processed_cursor"])
-    unprocessed: list[int] = []
-    while True:  # bounded by the accepted log's length
-        page = queue.read_commits(cursor, 256)
-        for receipt in page.commits:
-            if receipt.position not in processed and receipt.task_id.startswith("prompt:"):
-                group = group_of(receipt.task_id)
-                if group is not None:
-                    unprocessed.append(group)
-        if len(page.commits) < 256:
-            break
-        cursor = page.cursor
+    unprocessed = [
+        group
+        for receipt in controller.unprocessed_receipts()
+        if receipt.task_id.startswith("prompt:")
+        if (group := group_of(receipt.task_id)) is not None
+    ]
     state = queue.producer_state("dataset") or {}
     issued = int((state.get("cursor") or {}).get("sample_group_index", 0))
     return {"issued": issued, "live": sorted(live), "unprocessed": sorted(unprocessed)}
