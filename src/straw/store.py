@@ -738,10 +738,10 @@ class SharedFilesystemStore:
 
         ``owned_dependencies`` (ours, a subset of ``dependencies``) are dependencies an owner
         already keeps alive until a queue adopts this publication or the caller drops it, such
-        as the input of the task this publication completes, which the queue owns while the
-        caller's lease lasts: they are not staged again, which saves a catalog frame and its
-        sync (docs/GC.md "Staging and writers"). Should that owner let them go first, the
-        publication is left dangling: its reads, and a queue's validation of it, fail.
+        as the input of the task this publication completes, which the queue keeps while the
+        caller's read of it is outstanding: they are not staged again, which saves a catalog
+        frame and its sync (docs/GC.md "Staging and writers", DURABILITY.md G6.3). Should that
+        owner let them go first, the publication is left dangling: reaching it fails.
         """
         publication = Publication(tuple(records), tuple(dependencies))
         for dep in publication.dependencies:
@@ -1300,7 +1300,7 @@ class SharedFilesystemStore:
 
     def _stage(self, submission_id: str, outside: Mapping[int, Sequence[RecordSetRef | RecordRef]]) -> None:
         """docs/GC.md "Staging": what a publication reaches outside its own extent stays alive
-        with it. Recorded before the write, refusing data already collected (G3)."""
+        with it. Recorded before the write, refusing data already collected (G3, G6.3)."""
         events = []
         with_outside = {ordinal: refs for ordinal, refs in outside.items() if refs}
         if not with_outside:
