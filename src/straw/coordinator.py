@@ -1392,6 +1392,22 @@ class Coordinator:
 
         return dict(self._query(read))
 
+    def live_tasks(self, *, task_prefix: str | None = None) -> dict[str, dict[str, Any]]:
+        """Pending and leased tasks (task id -> status, as ``tasks`` gives), optionally only
+        ids starting with ``task_prefix`` (ours). ``tasks`` lists every task ever submitted,
+        reading terminal history from disk; this answers from live state alone, so its cost
+        follows live work, not the queue's age."""
+        if task_prefix is not None:
+            _text(task_prefix, "task_prefix")
+        prefix = task_prefix or ""
+
+        def read() -> dict[str, dict[str, Any]]:
+            state = self._state  # in submission order, as ``tasks`` lists them
+            live = state.unfinished
+            return {k: t.status() for k, t in state.tasks.items() if k in live and k.startswith(prefix)}
+
+        return dict(self._query(read))
+
     @property
     def commits(self) -> list[dict[str, Any]]:
         return list(self._query(lambda: [dict(c) for c in self._state.commits]))

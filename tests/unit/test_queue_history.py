@@ -270,6 +270,31 @@ def test_a_damaged_row_fails_its_lookup_and_straw_check_names_the_file(
     assert main(["check", root]) == 0
 
 
+def test_live_tasks_answer_from_live_state_without_reading_history(tmp_path: Path) -> None:
+    """``tasks`` lists every task ever submitted, from the history files too; ``live_tasks``
+    (what a checkpoint or a rollback needs) only the pending and leased ones, from memory."""
+    root = str(tmp_path)
+    _build(root)
+    for victim in _hist_files(root):  # every file's first row damaged: reading history fails
+        data = bytearray(victim.read_bytes())
+        data[history.HEADER.size + 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        coord.submit_tasks("more", [TaskSpec("u0"), TaskSpec("u1")])
+        coord.acquire("w2", task_ids=["u1"])
+        live = coord.live_tasks()
+        assert {k: v["state"] for k, v in live.items()} == {"t10": "pending", "u0": "pending", "u1": "leased"}
+        assert live["u1"] == coord.task_status("u1")
+        assert list(coord.live_tasks(task_prefix="u")) == ["u0", "u1"]
+        with pytest.raises(CorruptData):
+            coord.tasks  # noqa: B018 - the property reads the damaged history
+        with pytest.raises(ValueError):
+            coord.live_tasks(task_prefix="")
+
+
 def test_a_damaged_index_fails_the_first_lookup_naming_the_file(tmp_path: Path) -> None:
     root = str(tmp_path)
     done = _build(root)

@@ -275,8 +275,8 @@ def _cancel(controller: Any, queue: Coordinator, context: _Context) -> None:
     """R4: every live task not issued by this rollback; nothing created after K survives."""
     mine = f":t{context.timeline}"
     rb = f"rollback:{context.timeline}"
-    for task_id, status in sorted(queue.tasks.items()):
-        if status["state"] in ("pending", "leased") and not task_id.endswith(mine):
+    for task_id in sorted(queue.live_tasks()):
+        if not task_id.endswith(mine):
             controller._fault("rollback:R4:cancel")
             queue.cancel_task(task_id, request_id=f"{rb}:cancel:{task_id}")
             context.cancelled += 1

@@ -1127,15 +1127,15 @@ class QueueController:
     def _unfinished(self, queue: Coordinator) -> list[dict[str, Any]]:
         """Pending or leased prompt tasks, then accepted unprocessed prompt results, one per group."""
         found: dict[Any, dict[str, Any]] = {}
-        tasks = queue.tasks
-        for task_id, status in tasks.items():
-            if task_id.startswith(PROMPT) and status["state"] in ("pending", "leased"):
-                entry = self._unfinished_entry(task_id, status, "", None)
-                if entry is not None:
-                    found.setdefault(entry["group_index"], entry)
+        for task_id, status in queue.live_tasks(task_prefix=PROMPT).items():  # not the history
+            entry = self._unfinished_entry(task_id, status, "", None)
+            if entry is not None:
+                found.setdefault(entry["group_index"], entry)
         for receipt in self._unprocessed(queue):
-            accepted = tasks.get(receipt.task_id)
-            if receipt.task_id.startswith(PROMPT) and accepted is not None:
+            if not receipt.task_id.startswith(PROMPT):
+                continue
+            accepted = queue.task_status(receipt.task_id)
+            if accepted is not None:
                 entry = self._unfinished_entry(receipt.task_id, accepted, "ready", receipt.position)
                 if entry is not None:
                     found.setdefault(entry["group_index"], entry)

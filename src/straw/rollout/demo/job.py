@@ -455,24 +455,22 @@ def queue_facts(controller: Any) -> dict[str, Any]:
     if not isinstance(controller, QueueController):
         return {}
     queue = controller.queue
-    tasks = queue.tasks
 
-    def group_of(task_id: str) -> int | None:
-        meta = (tasks.get(task_id) or {}).get("spec", {}).get("metadata") or {}
+    def group_of(status: Mapping[str, Any] | None) -> int | None:
+        meta = (status or {}).get("spec", {}).get("metadata") or {}
         value = meta.get("group_index")
         return int(value) if value is not None else None
 
     live = [
         g
-        for task_id, status in tasks.items()
-        if task_id.startswith("prompt:") and status["state"] in ("pending", "leased")
-        if (g := group_of(task_id)) is not None
+        for status in queue.live_tasks(task_prefix="prompt:").values()
+        if (g := group_of(status)) is not None
     ]
     unprocessed = [
         group
         for receipt in controller.unprocessed_receipts()
         if receipt.task_id.startswith("prompt:")
-        if (group := group_of(receipt.task_id)) is not None
+        if (group := group_of(queue.task_status(receipt.task_id))) is not None
     ]
     state = queue.producer_state("dataset") or {}
     issued = int((state.get("cursor") or {}).get("sample_group_index", 0))
