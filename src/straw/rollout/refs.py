@@ -376,9 +376,10 @@ def pack_group(
     bound = rollout_store(config)
     metadata = {"task_id": lease.task_id, "attempt_id": lease.attempt_id}
     name = f"group:{lease.attempt_id}"
-    # The prompt is reached from the task's input, which the queue owns while the lease lasts:
-    # the result needs no staging of it of its own (the store's owned_dependencies). If the
-    # lease is lost, completion fails and the publication is never used.
+    # The prompt is reached from the task's input, which the queue keeps while this attempt's
+    # read is outstanding, until the completion that adopts the result ends it: the result
+    # needs no staging of it (the store's owned_dependencies, DURABILITY.md G6.3). If the lease
+    # is lost, completion fails and the publication is never used.
     owned = _leased_prompts(group)
     with bound.lock:
         manifest = settled(
