@@ -197,6 +197,32 @@ def test_returning_an_accepted_leased_group_delivers_it(
     assert controller.status(delivery)["spec"]["metadata"]["source_positions"] == [0]  # type: ignore[index]
 
 
+def test_an_accepted_group_returned_twice_is_delivered_once(
+    open_controller: OpenController, open_reader: OpenReader, caplog: pytest.LogCaptureFixture
+) -> None:
+    controller = open_controller()
+    reader = open_reader(controller)
+    (group,) = reader.get_samples(1)
+    finish(group)
+    reader.publish_group(group, rollout_id=0)
+    reader.add_samples([group])
+    with caplog.at_level(logging.WARNING, logger="straw.rollout.controller"):
+        reader.add_samples([group])  # the same group again: it would be trained twice
+    deliveries = [t for t in controller.queue.live_tasks() if t.startswith("prompt:delivery:")]
+    assert len(deliveries) == 1
+    assert "already carries (source positions [0])" in caplog.text
+    # Two copies in one call: the first is delivered, the second is not. (The reader takes
+    # the delivery first; finished again, it is accepted at 1, carrying 0 as well.)
+    (again,) = reader.get_samples(1)
+    assert again[0]._queue_source_positions == [0]
+    finish(again)
+    reader.publish_group(again, rollout_id=0)
+    reader.add_samples([again, again])
+    deliveries = [t for t in controller.queue.tasks if t.startswith("prompt:delivery:")]
+    sources = [controller.status(t)["spec"]["metadata"]["source_positions"] for t in deliveries]  # type: ignore[index]
+    assert sorted(sources) == [[0], [0, 1]]
+
+
 def test_a_published_group_stages_no_owner_for_its_prompt(
     open_controller: OpenController, open_reader: OpenReader
 ) -> None:

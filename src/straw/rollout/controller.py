@@ -130,6 +130,11 @@ class ControllerClient(Protocol):
     def close(self) -> None: ...
 
 
+def _sources_of(metadata: Mapping[str, Any] | None) -> set[int]:
+    """The accepted positions a task carries (its metadata's ``source_positions``)."""
+    return {int(p) for p in (metadata or {}).get("source_positions") or ()}
+
+
 def task_id_for(group_index: int, timeline: int) -> str:
     """The task id of fresh prompt group ``group_index`` on a timeline (section 10.1)."""
     return f"{PROMPT}{group_index}" if timeline == 0 else f"{PROMPT}{group_index}:t{timeline}"
@@ -344,7 +349,7 @@ class QueueController:
         stale = []
         for task_id, status in queue.tasks.items():
             metadata = status["spec"].get("metadata") or {}
-            self._superseded.update(int(p) for p in metadata.get("source_positions") or ())
+            self._superseded.update(_sources_of(metadata))
             self._planned = self._planned or task_id.startswith("batch:")
             if (
                 task_id.startswith("collection:")
@@ -620,13 +625,43 @@ class QueueController:
                 # One answer for the whole yield ("pending", as the peer); one entry per update here.
                 outcomes = [queue.yield_tasks(current, request_id=request)] * len(current)
                 self._note_superseded(item.get("metadata") for item in current)
-            fresh = [spec for spec in specs if queue.task_status(spec.task_id) is None]
+            fresh, carried = self._uncarried(
+                [spec for spec in specs if queue.task_status(spec.task_id) is None]
+            )
+            if carried:
+                log.warning(
+                    "Skipped %d returned accepted groups that another task already carries "
+                    "(source positions %s); each accepted group is delivered once",
+                    len(carried),
+                    sorted({p for spec in carried for p in _sources_of(spec.metadata)}),
+                )
             if fresh:
                 self._fault("return:deliver")
                 queue.submit_tasks("deliver:" + digest([spec.task_id for spec in fresh]), fresh)
                 self._note_superseded(spec.metadata for spec in fresh)
             self._fault("return:done")
-        return {"yielded": outcomes, "stale": sorted(stale), "delivered": [spec.task_id for spec in specs]}
+        return {
+            "yielded": outcomes,
+            "stale": sorted(stale),
+            "delivered": [spec.task_id for spec in specs if spec not in carried],
+            "carried": [spec.task_id for spec in carried],
+        }
+
+    def _uncarried(self, specs: list[TaskSpec]) -> tuple[list[TaskSpec], list[TaskSpec]]:
+        """New deliveries split into those to submit and those all of whose accepted positions
+        an earlier task (or an earlier one of ``specs``) already carries: the same accepted
+        group returned twice, which a second delivery would have trained twice."""
+        with self._state_lock:
+            seen = set(self._superseded)
+        fresh, carried = [], []
+        for spec in specs:
+            sources = _sources_of(spec.metadata)
+            if sources and sources <= seen:
+                carried.append(spec)
+            else:
+                fresh.append(spec)
+                seen |= sources
+        return fresh, carried
 
     def _stale(self, queue: Coordinator, yields: list[dict[str, Any]]) -> set[str]:
         """Tasks of updates whose lease is no longer current (the task moved on without it).
@@ -675,7 +710,7 @@ class QueueController:
     def _note_superseded(self, metadatas: Iterable[Mapping[str, Any] | None]) -> None:
         with self._state_lock:
             for metadata in metadatas:
-                self._superseded.update(int(p) for p in (metadata or {}).get("source_positions") or ())
+                self._superseded.update(_sources_of(metadata))
 
     # ------------------------------------------------------------------ retirement and recovery
 
