@@ -382,8 +382,13 @@ def test_a_frozen_workers_leases_are_taken_again_only_after_they_expire(
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def settled() -> bool:  # both killed workers noticed (each when the scheduler next needs it)
+        covered = (undelivered | set(held)) <= set(kept)
+        return covered and rollout.scheduler.live_readers() == ["fully_async_2"]
+
     bound = time.monotonic() + WAIT
-    while not (undelivered | set(held)) <= set(kept) and step < 80 and time.monotonic() < bound:
+    while not settled() and step < 80 and time.monotonic() < bound:
         kept += group_indices(rollout.generate(step))
         step += 1
     assert undelivered <= set(kept)  # the dead worker's accepted, undelivered groups reached a batch
