@@ -155,8 +155,10 @@ class _Spilled:
     file: history_files.HistoryFile
     stop: int
     task_ids: list[str]
+    #: Request ids the file holds (FORMAT.md 8.4 version 2), forgotten like the tasks.
+    request_ids: list[str]
     #: The copy's merged hash indexes over every file up to this one, if it was time to merge.
-    merged: tuple[history_files.Merged, history_files.Merged] | None = None
+    merged: history_files.MergedIndexes | None = None
 
 
 class _Abandoned(Exception):
@@ -694,10 +696,11 @@ class Coordinator:
         synced and named by D0), and the rebuilt ``state`` keeps only live work plus the file."""
         tasks, stop = state.spillable()
         first = state.commits.base
-        if not tasks and stop == first:
+        requests = state.spill_requests()
+        if not tasks and stop == first and not requests:
             return None
         task_rows, receipts, meta = state.spill_rows(tasks, stop)
-        chunks, checksum = history_files.build(seq, first, task_rows, receipts, meta)
+        chunks, checksum = history_files.build(seq, first, task_rows, receipts, meta, requests)
         directory = os.path.join(self.directory, history_files.HIST_DIR)
         path = os.path.join(directory, history_files.file_name(seq))
         durable.make_dirs(directory, str(self.backend.root), self.backend.sync_dir)
@@ -711,13 +714,15 @@ class Coordinator:
         file.counts = dict(meta["counts"])
         file.load()  # here, off the lock: the first lookup of a call then reads no index
         task_ids = [t.spec.task_id for t in tasks]
+        request_ids = [request_id for request_id, _ in requests]
         state.attach(file)
         state.forget_submissions(state.forget_receipts(stop))
         state.forget_tasks(task_ids)
+        state.forget_requests(request_ids)
         # Here, off the lock: the hashes of the files so far merged into one index, which the
         # live state adopts with the file (H3), so its lookups never merge under the lock.
         merged = state.history.extended() if state.history.merge_due() else None
-        return _Spilled(file, stop, task_ids, merged)
+        return _Spilled(file, stop, task_ids, request_ids, merged)
 
     def _prune_history(self, named: set[str]) -> None:
         """J5 H4, once the snapshot naming ``named`` is durable: history files it does not name
@@ -750,7 +755,12 @@ class Coordinator:
                 del spilled.task_ids[-budget:]
                 state.forget_tasks(chunk)
                 budget -= len(chunk)
-            if state.commits.base == spilled.stop and not spilled.task_ids:
+            while budget > 0 and spilled.request_ids:
+                chunk = spilled.request_ids[-budget:]
+                del spilled.request_ids[-budget:]
+                state.forget_requests(chunk)
+                budget -= len(chunk)
+            if state.commits.base == spilled.stop and not spilled.task_ids and not spilled.request_ids:
                 self._spilled.popleft()
 
     def _await_snapshot(self) -> BaseException | None:
@@ -1467,7 +1477,8 @@ class Coordinator:
         with self._lock:
             try:
                 if self._broken is None:
-                    self._take_history(len(self._state.tasks) + len(self._state.commits) + 1)
+                    state = self._state
+                    self._take_history(len(state.tasks) + len(state.commits) + len(state.requests) + 1)
                 if (
                     self._broken is None
                     and self._journal.failed is None

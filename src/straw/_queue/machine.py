@@ -245,6 +245,16 @@ class QueueState:
         meta = {"workers": workers, "packs": packs, "unknown": unknown, "totals": totals, "counts": counts}
         return task_rows, receipts, meta
 
+    def spill_requests(self) -> list[tuple[str, list[Any]]]:
+        """Request rows for a history file: every request id in memory (an answer never changes
+        once given, so all of them can move; a lookup that misses memory reads the files)."""
+        return [(request_id, [request_id, seen[0], seen[1]]) for request_id, seen in self.requests.items()]
+
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop request ids a durable history file now answers for (``attach`` came first)."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
     def attach(self, file: HistoryFile) -> None:
         """A durable history file (named by a durable snapshot) now answers for what it holds."""
         self.history.add(file)
@@ -359,6 +369,9 @@ class QueueState:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         seen = self.requests.get(request_id)
+        if seen is None and self.history:
+            row = self.history.request(request_id)  # moved to a history file by a snapshot
+            seen = (row[1], row[2]) if row is not None else None
         if seen is None:
             return False, None
         if seen[0] != fingerprint:
