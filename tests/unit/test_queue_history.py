@@ -355,6 +355,8 @@ def test_both_versions_answer_their_lookups_and_version_1_holds_no_requests(tmp_
     assert all(new.request(f"r{k}") == [f"r{k}", f"fp{k}", [k]] for k in range(200))
     assert new.request("r200") is None and new.request("t") is None
     new.verify()
+    with pytest.raises(CorruptData, match="trailer checksum"):  # not the file its snapshot named
+        history.HistoryFile(new.name, history_io.FileSource(new.path), new.size, new.checksum ^ 1)
 
 
 def test_request_ids_move_to_history_files_and_stay_exact_live_and_after_reopen(tmp_path: Path) -> None:

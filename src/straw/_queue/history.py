@@ -37,7 +37,6 @@ END_MAGIC = b"STRWHEND"
 #: Version 2 adds request rows and their index (docs/FORMAT.md 8.4); version 1 is still read.
 END_MAGIC_2 = b"STRWHND2"
 VERSION = 2
-VERSIONS = (1, 2)
 #: magic, version, flags (0), sequence number of the snapshot frame, first accepted position.
 HEADER = struct.Struct("<8sIIQQ")
 #: A row's place: offset, length, reserved (0), xxh3-64 of the row's bytes.
@@ -203,14 +202,18 @@ class HistoryFile:
             raise self._corrupt(f"it holds {actual} bytes, its snapshot recorded {self.size}")
         if self.size < HEADER.size + TRAILER.size:
             raise self._corrupt("too short to hold a header and a trailer")
-        # A version 2 trailer is longer and starts with a magic of its own: it is taken only
-        # with the checksum its snapshot recorded (a version 1 file's index bytes at that place
-        # cannot pass for both); anything else is read as a version 1 trailer.
+        # A version 2 trailer is longer and starts with a magic of its own (a version 1 file's
+        # index bytes at that place would have to spell it, and then its checksum would still
+        # have to be the snapshot's); anything else is read as a version 1 trailer.
         self.version, self.trailer_size, requests = 1, TRAILER.size, 0
         fields: tuple[Any, ...] = ()
         if self.size >= HEADER.size + TRAILER_2.size:
             longer = TRAILER_2.unpack(bytes(self._pread(TRAILER_2.size, self.size - TRAILER_2.size)))
-            if longer[0] == END_MAGIC_2 and longer[-1] == self.checksum:
+            if longer[0] == END_MAGIC_2 and longer[-1] != self.checksum:
+                raise self._corrupt(
+                    f"trailer checksum {longer[-1]:016x}, its snapshot recorded {self.checksum:016x}"
+                )
+            if longer[0] == END_MAGIC_2:
                 self.version, self.trailer_size, requests = 2, TRAILER_2.size, longer[5]
                 fields = longer[:5] + longer[6:]  # the version 1 fields, in their order
         if not fields:
