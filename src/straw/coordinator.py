@@ -155,8 +155,12 @@ class _Spilled:
     file: history_files.HistoryFile
     stop: int
     task_ids: list[str]
+    #: Request ids the file holds (FORMAT.md 8.4 version 2), forgotten like the tasks.
+    request_ids: list[str]
+    #: ``ref_packs`` keys the snapshot pruned (no root names them), forgotten like the tasks.
+    reach_keys: list[str]
     #: The copy's merged hash indexes over every file up to this one, if it was time to merge.
-    merged: tuple[history_files.Merged, history_files.Merged] | None = None
+    merged: history_files.MergedIndexes | None = None
 
 
 class _Abandoned(Exception):
@@ -626,6 +630,7 @@ class Coordinator:
         started = time.perf_counter()
         with collector_paused():
             state = self._state.snapshot_copy()  # the state after frame seq: every frame is applied
+        self._state.reach_since = set()  # H3 of this snapshot keeps what events name from here on
         self._copy_seconds_max = max(self._copy_seconds_max, time.perf_counter() - started)
         if not SNAPSHOTS_IN_BACKGROUND:
             self._snapshotter = None
@@ -694,10 +699,11 @@ class Coordinator:
         synced and named by D0), and the rebuilt ``state`` keeps only live work plus the file."""
         tasks, stop = state.spillable()
         first = state.commits.base
-        if not tasks and stop == first:
+        requests = state.spill_requests()
+        if not tasks and stop == first and not requests:
             return None
         task_rows, receipts, meta = state.spill_rows(tasks, stop)
-        chunks, checksum = history_files.build(seq, first, task_rows, receipts, meta)
+        chunks, checksum = history_files.build(seq, first, task_rows, receipts, meta, requests)
         directory = os.path.join(self.directory, history_files.HIST_DIR)
         path = os.path.join(directory, history_files.file_name(seq))
         durable.make_dirs(directory, str(self.backend.root), self.backend.sync_dir)
@@ -711,13 +717,19 @@ class Coordinator:
         file.counts = dict(meta["counts"])
         file.load()  # here, off the lock: the first lookup of a call then reads no index
         task_ids = [t.spec.task_id for t in tasks]
+        request_ids = [request_id for request_id, _ in requests]
         state.attach(file)
         state.forget_submissions(state.forget_receipts(stop))
         state.forget_tasks(task_ids)
+        state.forget_requests(request_ids)
+        # What no root of the copy names any more leaves ref_packs too (the live state forgets
+        # the same keys at H3, keeping those an event named again since the copy).
+        reach_keys = state.unneeded_reach()
+        state.forget_reach(reach_keys)
         # Here, off the lock: the hashes of the files so far merged into one index, which the
         # live state adopts with the file (H3), so its lookups never merge under the lock.
         merged = state.history.extended() if state.history.merge_due() else None
-        return _Spilled(file, stop, task_ids, merged)
+        return _Spilled(file, stop, task_ids, request_ids, reach_keys, merged)
 
     def _prune_history(self, named: set[str]) -> None:
         """J5 H4, once the snapshot naming ``named`` is durable: history files it does not name
@@ -750,7 +762,21 @@ class Coordinator:
                 del spilled.task_ids[-budget:]
                 state.forget_tasks(chunk)
                 budget -= len(chunk)
-            if state.commits.base == spilled.stop and not spilled.task_ids:
+            for pending, forget in (
+                (spilled.request_ids, state.forget_requests),
+                (spilled.reach_keys, state.forget_reach),
+            ):
+                while budget > 0 and pending:
+                    chunk = pending[-budget:]
+                    del pending[-budget:]
+                    forget(chunk)
+                    budget -= len(chunk)
+            if (
+                state.commits.base == spilled.stop
+                and not spilled.task_ids
+                and not spilled.request_ids
+                and not spilled.reach_keys
+            ):
                 self._spilled.popleft()
 
     def _await_snapshot(self) -> BaseException | None:
@@ -1483,7 +1509,11 @@ class Coordinator:
         with self._lock:
             try:
                 if self._broken is None:
-                    self._take_history(len(self._state.tasks) + len(self._state.commits) + 1)
+                    state = self._state
+                    entries = (
+                        len(state.tasks) + len(state.commits) + len(state.requests) + len(state.ref_packs)
+                    )
+                    self._take_history(entries + 1)
                 if (
                     self._broken is None
                     and self._journal.failed is None

@@ -118,6 +118,13 @@ VISIBILITY_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 #: identical copy (same digest), never different data.
 SUBMISSIONS_REMEMBERED_MAX = 1_000_000
 
+#: References one store instance remembers across those submissions (a ``publish_many`` of
+#: 64 publications remembers 64): the answers are kept whole for a retry, about 1 KB per
+#: reference with their strings, so a worker publishing a million results would otherwise
+#: keep a gigabyte (and a cycle collector pass over millions of objects) for retries that
+#: come within seconds of the call. Oldest submissions go first; the newest is always kept.
+SUBMITTED_REFS_REMEMBERED_MAX = 16384
+
 # Tensors and the sample codec -------------------------------------------------
 
 #: Most dimensions of a stored tensor (PyTorch's own limit is 64 too).

@@ -58,6 +58,7 @@ from .limits import (
     SEGMENT_TARGET_BYTES_DEFAULT,
     SUBMISSION_ID_BYTES_MAX,
     SUBMISSIONS_REMEMBERED_MAX,
+    SUBMITTED_REFS_REMEMBERED_MAX,
     TOKENS_MAX,
     WRITTEN_SETS_CACHED_MAX,
 )
@@ -530,6 +531,12 @@ class _Remembered:
     result: Any
 
 
+def _refs_in(result: Any) -> int:
+    """References a remembered answer holds: a list of them (``publish_many``,
+    ``write_records``) or one."""
+    return len(result) if isinstance(result, (list, tuple)) else 1
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A submission whose outcome is uncertain (docs/DURABILITY.md I5)."""
@@ -648,6 +655,7 @@ class SharedFilesystemStore:
             self._writer.live_note = encode({"online_gc": True})
         self._lock = threading.Lock()
         self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
+        self._remembered_refs = 0  # references the remembered answers hold (``_refs_in``)
         self._pending: _Pending | None = None
         # Staging ends released with defer=True, written with this store's next catalog frame
         # (docs/DURABILITY.md G6.2); guarded by its own lock, taken inside the catalog's.
@@ -1038,9 +1046,19 @@ class SharedFilesystemStore:
         return known.result
 
     def _remember(self, submission_id: str, remembered: _Remembered) -> None:
+        """I4: remember an answer for retries, oldest forgotten first, within both
+        SUBMISSIONS_REMEMBERED_MAX submissions and SUBMITTED_REFS_REMEMBERED_MAX references."""
+        known = self._submissions.pop(submission_id, None)
+        if known is not None:
+            self._remembered_refs -= _refs_in(known.result)
         self._submissions[submission_id] = remembered
-        while len(self._submissions) > SUBMISSIONS_REMEMBERED_MAX:
-            self._submissions.popitem(last=False)
+        self._remembered_refs += _refs_in(remembered.result)
+        while len(self._submissions) > 1 and (
+            len(self._submissions) > SUBMISSIONS_REMEMBERED_MAX
+            or self._remembered_refs > SUBMITTED_REFS_REMEMBERED_MAX
+        ):
+            _, oldest = self._submissions.popitem(last=False)
+            self._remembered_refs -= _refs_in(oldest.result)
 
     def _account(self, entries: list[Entry], kind: str) -> None:
         data = [e for e in entries if e.codec != frame.MANIFEST_CODEC]

@@ -31,7 +31,13 @@ from straw._catalog.log import Catalog, describe
 from straw._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, CatalogState, PackInfo, writer_of
 from straw._journal import frame
 from straw.backend import PEER_PHASES, FilesystemBackend
-from straw.errors import CorruptData, InvariantViolation, StorageUnavailable, UnsafeRecovery
+from straw.errors import (
+    CorruptData,
+    InvariantViolation,
+    StorageUnavailable,
+    UnsafeRecovery,
+    UnsupportedSchema,
+)
 from straw.limits import CATALOG_PREALLOC_BYTES
 from straw.protocol import decode, encode
 
@@ -124,7 +130,8 @@ def test_released_staging_is_one_int_per_extent_and_round_trips_the_snapshot() -
     assert info.released_pairs() == pairs
     again = CatalogState.from_dict(state.to_dict())
     assert again.packs[P1] == info and again.to_dict() == state.to_dict()
-    assert state.to_dict()["packs"][P1][3] == pairs  # the snapshot's form is unchanged
+    # The snapshot (version 2) holds the masks too: one entry per extent, not per publication.
+    assert state.to_dict()["packs"][P1][3] == [[154, info.released[154]], [900, 1]]
     state.apply({"op": "seal", "pack": P1, "extents": {"154": list(range(1, 129, 2)), "900": []}})
     assert state.staging_over(P1)
     assert not _state(
@@ -286,11 +293,11 @@ def test_to_dict_from_dict_round_trip_keeps_every_field_and_decision() -> None:
     state = _rich_state()
     data = state.to_dict()
     assert data == {
-        "v": 1,
+        "v": 2,
         "owners": {"o": [P1, P2], "queue:x": [P3], "empty": []},
         "packs": {
-            P1: [W1, True, {"154": [1], "700": []}, [[154, 1]]],
-            P2: [W1, False, None, [[10, -1]]],
+            P1: [W1, True, {"154": [1], "700": []}, [[154, 0b100]]],  # ordinal 1 is bit 2
+            P2: [W1, False, None, [[10, 0b1]]],  # RECORDS_ONLY is bit 0
             P3: [W2, True, None, []],
         },
         "dead_writers": [W2],
@@ -699,3 +706,38 @@ def test_g7_damaged_snapshot_fails_closed(pool: Path, monkeypatch: pytest.Monkey
     snapshot.write_bytes(bytes(data))
     with pytest.raises(CorruptData, match="snapshot"), Catalog(backend).locked():
         pass
+
+
+def test_a_version_1_snapshot_body_still_loads_to_the_same_state() -> None:
+    """Catalog snapshots written before version 2 listed each released publication as
+    [offset, ordinal]: they load to the same state, and compact to version 2."""
+    state = _rich_state()
+    old = state.to_dict()
+    old["v"] = 1
+    for info in old["packs"].values():
+        info[3] = [
+            [offset, ordinal]
+            for offset, mask in info[3]
+            for ordinal in range(-1, mask.bit_length() - 1)
+            if mask >> (ordinal + 1) & 1
+        ]
+    assert old["packs"][P1][3] == [[154, 1]] and old["packs"][P2][3] == [[10, -1]]
+    back = CatalogState.from_dict(decode(encode(old)))
+    assert back.packs == state.packs and back.to_dict() == state.to_dict()
+    with pytest.raises(UnsupportedSchema):
+        CatalogState.from_dict({**old, "v": 3})
+
+
+def test_compaction_costs_one_entry_per_extent_not_per_publication() -> None:
+    """Count entries, not time: a pack with 64 publications released in each of 500 extents
+    snapshots 500 released entries (version 1 wrote 32000), and they load back exactly."""
+    state = CatalogState()
+    info = state.packs[P1] = PackInfo(W1)
+    for extent in range(500):
+        for ordinal in range(64):
+            info.release(1000 * extent, ordinal)
+    data = state.to_dict()
+    assert len(data["packs"][P1][3]) == 500
+    back = CatalogState.from_dict(decode(encode(data)))
+    assert back.packs[P1].released == info.released
+    assert len(back.packs[P1].released_pairs()) == 500 * 64

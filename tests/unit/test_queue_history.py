@@ -148,7 +148,7 @@ def test_paging_leaves_the_cycle_collector_as_the_caller_had_it(tmp_path: Path) 
 
 
 def _unloaded(files: list[history.HistoryFile]) -> bool:
-    return all(f._task_hashes is None and f._sub_hashes is None for f in files)
+    return all(f._hashes is None for f in files)
 
 
 def test_files_are_merged_into_one_index_off_the_lock_and_a_miss_searches_only_it(
@@ -216,7 +216,7 @@ def test_recovery_reads_only_live_state_and_opens_history_files_lazily(tmp_path:
         # snapshot, close() snapshots what it has), none of the completed ones.
         assert set(state.tasks) == {"t10", "t11"}
         assert state.commits.base == TASKS - 2 and not state.submissions
-        assert all(f._task_hashes is None for f in state.history.files)  # trailers only so far
+        assert all(f._hashes is None for f in state.history.files)  # trailers only so far
         assert coord.task_status("t03")["state"] == "completed"  # type: ignore[index]
 
 
@@ -252,7 +252,8 @@ def test_a_damaged_row_fails_its_lookup_and_straw_check_names_the_file(
 ) -> None:
     root = str(tmp_path)
     done = _build(root)
-    victim = _hist_files(root)[0]
+    # The largest file holds tasks and receipts (the first may hold only the submit request).
+    victim = max(_hist_files(root), key=lambda p: p.stat().st_size)
     original = victim.read_bytes()
     data = bytearray(original)
     data[history.HEADER.size + 2] ^= 0x01  # inside the first row (the index still checks)
@@ -300,7 +301,7 @@ def test_a_damaged_index_fails_the_first_lookup_naming_the_file(tmp_path: Path) 
     done = _build(root)
     victim = max(_hist_files(root), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
-    data[-history.TRAILER.size - 1] ^= 0x10  # the last byte of the index
+    data[-history.TRAILER_2.size - 1] ^= 0x10  # the last byte of the index
     victim.write_bytes(bytes(data))
     with (
         SharedFilesystemStore(root, RUN) as store,
@@ -331,6 +332,111 @@ def test_golden_bytes_of_a_tiny_history_file() -> None:
     assert checksum == int.from_bytes(data[-8:], "little")
     first_block = zlib.decompress(data[history.HEADER.size : history.HEADER.size + 15])
     assert decode(first_block) == [["t"]]  # one block of one task row
+
+
+def test_golden_bytes_of_a_tiny_version_2_history_file_with_a_request() -> None:
+    """docs/FORMAT.md 8.4, version 2: the same file plus one request row and its index."""
+    chunks, checksum = history.build(
+        7, 0, [("t", ["t"])], [], {"counts": {"failed": 1}}, [("r", ["r", "f", True])]
+    )
+    data = b"".join(chunks)
+    assert data.hex() == GOLDEN_2
+    assert checksum == int.from_bytes(data[-8:], "little")
+    assert data[-history.TRAILER_2.size :][:8] == history.END_MAGIC_2
+
+
+GOLDEN_2 = (
+    "5354525748495354020000000000000007000000000000000000000000000000"
+    "78018b8e562a518a8d0500089d022978018b8e562a52d2514a53d229292a4d8d"
+    "8d0500267104e978018bae564ace2fcd2b2956b2aa564a4bcccc494d51b232ac"
+    "ad8d0500747f08d72df9acf0853e037620000000000000000f00000000000000"
+    "1819b4af93d74017350bafb4f7387bbd2f000000000000001800000000000000"
+    "6cc7ce5e01c9c42853545257484e443200000000000000000000000000000000"
+    "0100000000000000000000000000000001000000000000006800000000000000"
+    "47000000000000002100000000000000cd2c51c8c2d6e1f833dfaee75988ad6f"
+)
+
+
+def _open(tmp_path: Path, chunks: list[bytes], checksum: int) -> history.HistoryFile:
+    path = tmp_path / history.file_name(7)
+    path.write_bytes(b"".join(chunks))
+    return history.HistoryFile(path.name, history_io.FileSource(str(path)), path.stat().st_size, checksum)
+
+
+def test_both_versions_answer_their_lookups_and_version_1_holds_no_requests(tmp_path: Path) -> None:
+    """Files written before request rows (version 1) open and answer as before; version 2
+    files answer requests too, and verify() reads every row of both."""
+    receipt = {"submission_id": "s", "position": 0}
+    rows = ([("t", ["t", "req"])], [("s", [receipt, "w", []])], {"counts": {"completed": 1}})
+    old = _open(tmp_path, *history.build(7, 0, *rows))
+    assert (old.version, old.requests) == (1, 0)
+    assert old.task("t") == ["t", "req"] and old.position("s") == 0 and old.request("req") is None
+    old.verify()
+    (tmp_path / history.file_name(7)).unlink()
+    requests = [(f"r{k}", [f"r{k}", f"fp{k}", [k]]) for k in range(200)]
+    new = _open(tmp_path, *history.build(7, 0, *rows, requests))
+    assert (new.version, new.requests) == (2, 200)
+    assert new.task("t") == ["t", "req"] and new.position("s") == 0
+    assert all(new.request(f"r{k}") == [f"r{k}", f"fp{k}", [k]] for k in range(200))
+    assert new.request("r200") is None and new.request("t") is None
+    new.verify()
+    with pytest.raises(CorruptData, match="trailer checksum"):  # not the file its snapshot named
+        history.HistoryFile(new.name, history_io.FileSource(new.path), new.size, new.checksum ^ 1)
+
+
+def test_request_ids_move_to_history_files_and_stay_exact_live_and_after_reopen(tmp_path: Path) -> None:
+    """A repeated request answers its first answer from disk, and a changed one is a conflict,
+    once the request id left memory; memory keeps only the ids since the last snapshot."""
+    root = str(tmp_path)
+    _build(root)
+    for reopen in (False, True):
+        with (
+            SharedFilesystemStore(root, RUN) as store,
+            Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+        ):
+            state = coord._state
+            coord.metrics()  # a call: the live state takes the last file over (H3)
+            assert "tasks" not in state.requests  # cancel-11 came last: close() kept it in memory
+            assert state.history.request("tasks") is not None
+            specs = [TaskSpec(f"t{i:02d}") for i in range(TASKS)]
+            assert coord.submit_tasks("tasks", specs) == [f"t{i:02d}" for i in range(TASKS)]
+            with pytest.raises(IdempotencyConflict, match="'tasks' was already used"):
+                coord.submit_tasks("tasks", [TaskSpec("new")])
+            assert coord.cancel_task("t11", request_id="cancel-11") == "cancelled"
+            with pytest.raises(IdempotencyConflict, match="'cancel-11' was already used"):
+                coord.cancel_task("t10", request_id="cancel-11")
+            if reopen:
+                assert coord._state.history.files
+
+
+def test_request_ids_in_memory_stay_bounded_as_history_grows(tmp_path: Path) -> None:
+    """Count entries, not time: the request ids in memory (and in each snapshot copy) stay
+    bounded by what the calls since the last snapshot made, however many requests the queue
+    has seen, and every one of them still answers exactly (live and after a reopen)."""
+    root = str(tmp_path)
+    calls = 600
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        seen: list[int] = []
+        for k in range(calls):
+            coord.submit_tasks(f"submit-{k}", [])  # a request that adds no live work
+            seen.append(max(len(coord._state.requests), len(coord._state.snapshot_copy().requests)))
+        # Snapshots come once the journal outgrows the last snapshot, whose list of files grows
+        # by a row per file: a few more calls between snapshots late on, never the history.
+        assert max(seen) <= 32 < calls
+        assert len(coord._state.history.files) >= calls // 16
+        for k in range(0, calls, 7):
+            assert coord.submit_tasks(f"submit-{k}", []) == []
+            with pytest.raises(IdempotencyConflict):
+                coord.submit_tasks(f"submit-{k}", [TaskSpec("other")])
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        assert len(coord._state.requests) <= 32
+        for k in range(0, calls, 11):
+            assert coord.submit_tasks(f"submit-{k}", []) == []
+            with pytest.raises(IdempotencyConflict):
+                coord.submit_tasks(f"submit-{k}", [TaskSpec("other")])
 
 
 GOLDEN = (

@@ -970,3 +970,47 @@ def test_record_set_ref_pickles_and_still_reads(store: SharedFilesystemStore) ->
         assert copy == ref
         assert hash(copy) == hash(ref)
     assert read_all(store, pickle.loads(pickle.dumps(ref))) == [described(r) for r in sample_records()]
+
+
+# --------------------------------------------------------------------------- remembered submissions
+
+
+def test_I4_remembered_answers_are_bounded_by_references_not_only_submissions(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker publishing results in batches must not keep every answer it ever gave: the
+    remembered references stay within SUBMITTED_REFS_REMEMBERED_MAX, oldest forgotten first,
+    and a retry of a remembered batch still answers its original references."""
+    import straw.store as store_module
+
+    monkeypatch.setattr(store_module, "SUBMITTED_REFS_REMEMBERED_MAX", 20)
+    batches = [
+        store.publish_many(
+            [Publication((Record("r", f"{b}-{k}".encode()),)) for k in range(8)], submission_id=f"b{b}"
+        )
+        for b in range(10)
+    ]
+    remembered = store._submissions
+    assert list(remembered) == ["b8", "b9"]  # 16 references; a third batch would make 24
+    assert store._remembered_refs == sum(len(r.result) for r in remembered.values()) == 16
+    assert (
+        store.publish_many(
+            [Publication((Record("r", f"9-{k}".encode()),)) for k in range(8)], submission_id="b9"
+        )
+        == batches[9]
+    )  # a remembered retry: the same references, nothing written
+    again = store.publish_many(
+        [Publication((Record("r", f"0-{k}".encode()),)) for k in range(8)], submission_id="b0"
+    )
+    assert [r.digest for r in again] == [r.digest for r in batches[0]]  # forgotten: a logical copy
+    # One submission larger than the bound is still remembered (the newest always is).
+    big = store.publish_many(
+        [Publication((Record("r", f"x{k}".encode()),)) for k in range(30)], submission_id="big"
+    )
+    assert list(store._submissions) == ["big"] and store._remembered_refs == 30
+    assert (
+        store.publish_many(
+            [Publication((Record("r", f"x{k}".encode()),)) for k in range(30)], submission_id="big"
+        )
+        == big
+    )

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import invariant
+from ..errors import UnsupportedSchema, invariant
 from ..protocol import digest
 
 Event = dict[str, Any]
@@ -21,6 +21,9 @@ RESERVED_PREFIXES = ("queue:", "staging:", "pin:")
 
 #: Ordinal meaning "the records of an extent without a manifest" (write_records).
 RECORDS_ONLY = -1
+
+#: Version of the catalog snapshot body (``CatalogState.to_dict``); version 1 is still read.
+SNAPSHOT_VERSION = 2
 
 
 def queue_owner(run_id: str, relative_directory: str) -> str:
@@ -166,15 +169,18 @@ class CatalogState:
     # -- snapshot --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The snapshot body (version 2; docs/GC.md "The catalog"): a pack's released staging as
+        ``[offset, mask]`` per extent, the bit mask ``PackInfo.released`` holds, so compaction
+        and loading cost one entry per extent, not one per publication."""
         return {
-            "v": 1,
+            "v": SNAPSHOT_VERSION,
             "owners": {k: sorted(v) for k, v in self.owners.items()},
             "packs": {
                 k: [
                     i.writer,
                     i.sealed,
                     {str(o): m for o, m in i.extents.items()} if i.extents is not None else None,
-                    i.released_pairs(),
+                    [[offset, i.released[offset]] for offset in sorted(i.released)],
                 ]
                 for k, i in self.packs.items()
             },
@@ -185,6 +191,13 @@ class CatalogState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CatalogState:
+        """A state from a snapshot body of either version (1 listed each released publication
+        as ``[offset, ordinal]``; 2 lists ``[offset, mask]`` per extent)."""
+        version = data.get("v")
+        if version not in (1, SNAPSHOT_VERSION):
+            raise UnsupportedSchema(
+                f"catalog snapshot version {version!r} is not supported (this straw reads 1, 2)"
+            )
         state = cls()
         state.owners = {k: set(v) for k, v in data["owners"].items()}
         for path, (writer, sealed, extents, released) in data["packs"].items():
@@ -193,8 +206,14 @@ class CatalogState:
                 sealed,
                 {int(o): list(m) for o, m in extents.items()} if extents is not None else None,
             )
-            for offset, ordinal in released:
-                info.release(offset, ordinal)
+            if version == 1:
+                for offset, ordinal in released:
+                    info.release(offset, ordinal)
+                continue
+            for offset, mask in released:
+                if not isinstance(mask, int) or isinstance(mask, bool) or mask <= 0:
+                    raise ValueError(f"catalog snapshot: released mask {mask!r} of {path}@{offset}")
+                info.released[int(offset)] = mask
         state.dead_writers = set(data["dead_writers"])
         state.tombstones = set(data["tombstones"])
         state.reclaimed = set(data["reclaimed"])

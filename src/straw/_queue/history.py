@@ -34,7 +34,9 @@ HIST_DIR = "hist"
 SUFFIX = ".hist"
 MAGIC = b"STRWHIST"
 END_MAGIC = b"STRWHEND"
-VERSION = 1
+#: Version 2 adds request rows and their index (docs/FORMAT.md 8.4); version 1 is still read.
+END_MAGIC_2 = b"STRWHND2"
+VERSION = 2
 #: magic, version, flags (0), sequence number of the snapshot frame, first accepted position.
 HEADER = struct.Struct("<8sIIQQ")
 #: A row's place: offset, length, reserved (0), xxh3-64 of the row's bytes.
@@ -42,6 +44,9 @@ ENTRY = struct.Struct("<QIIQ")
 #: magic, p0, p1, task count, submission count, index offset, the meta row's ENTRY fields,
 #: then xxh3-64 of the header, the index and the trailer bytes before it.
 TRAILER = struct.Struct("<8sQQQQQQIIQQ")
+#: Version 2: magic, p0, p1, task count, submission count, request count, index offset, the
+#: meta row's ENTRY fields, then the checksum (as in version 1).
+TRAILER_2 = struct.Struct("<8sQQQQQQQIIQQ")
 _U64 = struct.Struct("<Q")
 
 
@@ -80,13 +85,17 @@ def build(
     tasks: Sequence[tuple[str, Any]],
     receipts: Sequence[tuple[str, Any]],
     meta: dict[str, Any],
+    requests: Sequence[tuple[str, Any]] | None = None,
 ) -> tuple[list[bytes], int]:
     """The bytes of one history file (pure) and its index checksum.
 
     ``tasks`` are (task id, row); ``receipts`` are (submission id, row) for the accepted
-    positions ``first``, ``first + 1``, ... in order; ``meta`` is the file's summary row.
+    positions ``first``, ``first + 1``, ... in order; ``meta`` is the file's summary row;
+    ``requests`` are (request id, row). With ``requests`` None the file is version 1 (which
+    holds no requests: golden bytes and tests of older files); otherwise version 2.
     """
-    header = HEADER.pack(MAGIC, VERSION, 0, seq, first)
+    version = 1 if requests is None else VERSION
+    header = HEADER.pack(MAGIC, version, 0, seq, first)
     blocks: list[bytes] = []
     offset = len(header)
 
@@ -107,22 +116,33 @@ def build(
     task_index = list(zip([h for h, _ in hashed], put([row for _, row in hashed]), strict=True))
     position_entries = put([row for _, row in receipts])
     sub_index = sorted((key_hash(sub), first + k) for k, (sub, _) in enumerate(receipts))
+    hashed_requests = sorted(((key_hash(rid), row) for rid, row in requests or ()), key=lambda item: item[0])
+    request_index = list(
+        zip([h for h, _ in hashed_requests], put([row for _, row in hashed_requests]), strict=True)
+    )
     (meta_entry,) = put([meta])
     index_at = offset
-    index = b"".join(
-        [
-            array.array("Q", [h for h, _ in task_index]).tobytes(),
-            b"".join(e for _, e in task_index),
-            array.array("Q", [h for h, _ in sub_index]).tobytes(),
-            array.array("Q", [p for _, p in sub_index]).tobytes(),
-            b"".join(position_entries),
+    parts = [
+        array.array("Q", [h for h, _ in task_index]).tobytes(),
+        b"".join(e for _, e in task_index),
+        array.array("Q", [h for h, _ in sub_index]).tobytes(),
+        array.array("Q", [p for _, p in sub_index]).tobytes(),
+        b"".join(position_entries),
+    ]
+    if version == 2:
+        parts += [
+            array.array("Q", [h for h, _ in request_index]).tobytes(),
+            b"".join(e for _, e in request_index),
         ]
-    )
+    index = b"".join(parts)
     invariant(array.array("Q").itemsize == 8, "array 'Q' holds 64-bit values")
     m_offset, m_length, _, m_hash = ENTRY.unpack(meta_entry)
-    counts = (first, first + len(receipts), len(task_index), len(sub_index), index_at)
-    fields = (END_MAGIC, *counts, m_offset, m_length, 0, m_hash)
-    body = TRAILER.pack(*fields, 0)[: -_U64.size]
+    counts = (first, first + len(receipts), len(task_index), len(sub_index))
+    meta_fields = (m_offset, m_length, 0, m_hash, 0)
+    if version == 1:
+        body = TRAILER.pack(END_MAGIC, *counts, index_at, *meta_fields)[: -_U64.size]
+    else:
+        body = TRAILER_2.pack(END_MAGIC_2, *counts, len(request_index), index_at, *meta_fields)[: -_U64.size]
     checksum = _row_hash(header + index + body)
     return [header, *blocks, index, body + _U64.pack(checksum)], checksum
 
@@ -137,8 +157,7 @@ class HistoryFile:
         self.checksum = checksum
         self._source = source
         self._block: tuple[int, list[Any]] | None = None  # the last block read, decoded
-        self._task_hashes: array.array[int] | None = None
-        self._sub_hashes: array.array[int] | None = None
+        self._hashes: tuple[array.array[int], array.array[int], array.array[int]] | None = None
         self._read_trailer()
         source.close()  # a file is read again only when a lookup needs it (it may never)
 
@@ -183,41 +202,72 @@ class HistoryFile:
             raise self._corrupt(f"it holds {actual} bytes, its snapshot recorded {self.size}")
         if self.size < HEADER.size + TRAILER.size:
             raise self._corrupt("too short to hold a header and a trailer")
-        trailer = bytes(self._pread(TRAILER.size, self.size - TRAILER.size))
-        magic, first, stop, tasks, subs, index_at, m_off, m_len, _, m_hash, checksum = TRAILER.unpack(trailer)
-        if magic != END_MAGIC:
-            raise self._corrupt("no trailer (a torn write)")
+        # A version 2 trailer is longer and starts with a magic of its own (a version 1 file's
+        # index bytes at that place would have to spell it, and then its checksum would still
+        # have to be the snapshot's); anything else is read as a version 1 trailer.
+        self.version, self.trailer_size, requests = 1, TRAILER.size, 0
+        fields: tuple[Any, ...] = ()
+        if self.size >= HEADER.size + TRAILER_2.size:
+            longer = TRAILER_2.unpack(bytes(self._pread(TRAILER_2.size, self.size - TRAILER_2.size)))
+            if longer[0] == END_MAGIC_2 and longer[-1] != self.checksum:
+                raise self._corrupt(
+                    f"trailer checksum {longer[-1]:016x}, its snapshot recorded {self.checksum:016x}"
+                )
+            if longer[0] == END_MAGIC_2:
+                self.version, self.trailer_size, requests = 2, TRAILER_2.size, longer[5]
+                fields = longer[:5] + longer[6:]  # the version 1 fields, in their order
+        if not fields:
+            fields = TRAILER.unpack(bytes(self._pread(TRAILER.size, self.size - TRAILER.size)))
+            if fields[0] != END_MAGIC:
+                raise self._corrupt("no trailer (a torn write)")
+        _, first, stop, tasks, subs, index_at, m_off, m_len, _, m_hash, checksum = fields
         if checksum != self.checksum:
             raise self._corrupt(
                 f"trailer checksum {checksum:016x}, its snapshot recorded {self.checksum:016x}"
             )
         self.first, self.stop, self.tasks, self.subs, self.index_at = first, stop, tasks, subs, index_at
+        self.requests = requests
         self._meta_entry = (m_off, m_len, m_hash)
         expected = index_at + (8 + ENTRY.size) * tasks + 16 * subs + ENTRY.size * (stop - first)
-        if expected + TRAILER.size != self.size:
+        expected += (8 + ENTRY.size) * requests
+        if expected + self.trailer_size != self.size:
             raise self._corrupt("its trailer's counts do not match its size")
         self.counts: dict[str, int] = {}
 
-    def load(self) -> tuple[array.array[int], array.array[int]]:
-        """The index, checked once against the trailer's checksum: hashes stay in memory."""
-        tasks, subs = self._task_hashes, self._sub_hashes  # once: another thread may unload them
-        if tasks is not None and subs is not None:
-            return tasks, subs
+    def load(self) -> tuple[array.array[int], array.array[int], array.array[int]]:
+        """The index, checked once against the trailer's checksum: the hashes of task ids,
+        submission ids and request ids (none in version 1) stay in memory."""
+        hashes = self._hashes  # once: another thread may unload them
+        if hashes is not None:
+            return hashes
         header = bytes(self._pread(HEADER.size, 0))
-        index = self._pread(self.size - TRAILER.size - self.index_at, self.index_at)
-        body = bytes(self._pread(TRAILER.size - _U64.size, self.size - TRAILER.size))
+        end = self.size - self.trailer_size
+        index = self._pread(end - self.index_at, self.index_at)
+        body = bytes(self._pread(self.trailer_size - _U64.size, end))
         if _row_hash(header + bytes(index) + body) != self.checksum:
             raise self._corrupt("its index does not match its checksum")
         magic, version, _, _, first = HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION or first != self.first:
+        if magic != MAGIC or version != self.version or first != self.first:
             raise self._corrupt(f"header magic {magic!r} version {version} is not a straw history file")
         tasks = array.array("Q")
         tasks.frombytes(bytes(index[: 8 * self.tasks]))
         at = (8 + ENTRY.size) * self.tasks
         subs = array.array("Q")
         subs.frombytes(bytes(index[at : at + 8 * self.subs]))
-        self._task_hashes, self._sub_hashes = tasks, subs
-        return tasks, subs
+        at = self._requests_at() - self.index_at
+        requests = array.array("Q")
+        requests.frombytes(bytes(index[at : at + 8 * self.requests]))
+        self._hashes = (tasks, subs, requests)
+        return self._hashes
+
+    def _requests_at(self) -> int:
+        """Where the request hashes start (version 2; the end of the index in version 1)."""
+        return int(
+            self.index_at
+            + (8 + ENTRY.size) * self.tasks
+            + 16 * self.subs
+            + ENTRY.size * (self.stop - self.first)
+        )
 
     def _row(self, entry: bytes | bytearray) -> Any:
         offset, length, k, checksum = ENTRY.unpack(entry)
@@ -245,12 +295,12 @@ class HistoryFile:
 
     def unload(self) -> None:
         """Drop the hashes from memory (a merged index covers this file); ``load`` reads them again."""
-        self._task_hashes = self._sub_hashes = None
+        self._hashes = None
 
     def task(self, task_id: str, wanted: int | None = None) -> Any | None:
         """The row of task ``task_id`` (its first element is the id), or None. ``wanted``: the
         id's :func:`key_hash`, when the caller has it."""
-        hashes, _ = self.load()
+        hashes = self.load()[0]
         wanted = key_hash(task_id) if wanted is None else wanted
         at = bisect.bisect_left(hashes, wanted)
         while at < len(hashes) and hashes[at] == wanted:
@@ -268,7 +318,7 @@ class HistoryFile:
 
     def position(self, submission_id: str, wanted: int | None = None) -> int | None:
         """The accepted position of ``submission_id`` if this file holds its receipt."""
-        _, hashes = self.load()
+        hashes = self.load()[1]
         wanted = key_hash(submission_id) if wanted is None else wanted
         at = bisect.bisect_left(hashes, wanted)
         while at < len(hashes) and hashes[at] == wanted:
@@ -286,6 +336,27 @@ class HistoryFile:
         if not self.first <= position < self.stop:
             raise self._corrupt(f"its submission index names position {position}, outside its receipts")
         return int(position) if self.receipt(position)[0]["submission_id"] == submission_id else None
+
+    def request(self, request_id: str, wanted: int | None = None) -> Any | None:
+        """The row ``[request_id, fingerprint, reply]`` of a request this file holds, or None."""
+        hashes = self.load()[2]
+        wanted = key_hash(request_id) if wanted is None else wanted
+        at = bisect.bisect_left(hashes, wanted)
+        while at < len(hashes) and hashes[at] == wanted:
+            row = self.request_at(at, request_id)
+            if row is not None:
+                return row
+            at += 1
+        return None
+
+    def request_at(self, at: int, request_id: str) -> Any | None:
+        """The row at place ``at`` of the request index if it is request ``request_id``'s."""
+        invariant(0 <= at < self.requests, "a place of the request index")
+        base = self._requests_at() + 8 * self.requests
+        row = self._row(self._pread(ENTRY.size, base + ENTRY.size * at))
+        if not isinstance(row, list) or len(row) != 3:
+            raise self._corrupt(f"the request row at place {at} is not [id, fingerprint, reply]")
+        return row if row[0] == request_id else None
 
     def receipt(self, position: int) -> Any:
         """The row of accepted ``position``: [receipt, worker, packs]."""
@@ -323,6 +394,10 @@ class HistoryFile:
             pass
         for position in range(self.first, self.stop):
             self.receipt(position)
+        base = self._requests_at() + 8 * self.requests
+        entries = self._pread(ENTRY.size * self.requests, base)
+        for k in range(self.requests):
+            self._row(entries[ENTRY.size * k : ENTRY.size * (k + 1)])
         self.meta()
 
 
@@ -341,7 +416,7 @@ def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[Histo
 
 
 class Merged:
-    """One sorted index over the task (``which`` 0) or submission (1) hashes of the first
+    """One sorted index over the task (``which`` 0), submission (1) or request (2) hashes of the first
     ``count`` files of a history: each hash with its file's number and its place in that file's
     index. Built from checked indexes, never changed (a new one replaces it), so a snapshot
     thread may build it while calls read the one before."""
@@ -402,6 +477,10 @@ def merge(base: Merged | None, files: Sequence[HistoryFile], which: int) -> Merg
     )
 
 
+#: The merged indexes of a history: task ids, submission ids, request ids.
+MergedIndexes = tuple[Merged, Merged, Merged]
+
+
 class History:
     """The history files of one queue, oldest first: together they hold the accepted positions
     ``0 .. base - 1`` (each file a contiguous range) and every task moved out of the state.
@@ -412,9 +491,7 @@ class History:
     so a miss costs one bisect of the merged hashes plus one per file not yet merged.
     """
 
-    def __init__(
-        self, files: Sequence[HistoryFile] = (), merged: tuple[Merged, Merged] | None = None
-    ) -> None:
+    def __init__(self, files: Sequence[HistoryFile] = (), merged: MergedIndexes | None = None) -> None:
         self.files: list[HistoryFile] = list(files)
         self._firsts = [f.first for f in self.files]
         self._merged = merged
@@ -432,7 +509,7 @@ class History:
         return self.files[-1].stop if self.files else 0
 
     @property
-    def merged_indexes(self) -> tuple[Merged, Merged] | None:
+    def merged_indexes(self) -> MergedIndexes | None:
         """The merged indexes in use (immutable: a copy of the state shares them)."""
         return self._merged
 
@@ -441,22 +518,24 @@ class History:
         covered = self._merged[0].count if self._merged is not None else 0
         return len(self.files) - covered > HISTORY_UNMERGED_FILES_MAX
 
-    def extended(self) -> tuple[Merged, Merged]:
-        """The merged indexes (tasks, submissions) extended to every file, changing nothing
-        here: the snapshot thread builds them on its copy for the live state to :meth:`adopt`."""
+    def extended(self) -> MergedIndexes:
+        """The merged indexes (tasks, submissions, requests) extended to every file, changing
+        nothing here: the snapshot thread builds them on its copy for the live state to :meth:`adopt`."""
         merged = self._merged
-        return merge(merged[0] if merged else None, self.files, 0), merge(
-            merged[1] if merged else None, self.files, 1
+        return (
+            merge(merged[0] if merged else None, self.files, 0),
+            merge(merged[1] if merged else None, self.files, 1),
+            merge(merged[2] if merged else None, self.files, 2),
         )
 
-    def merged(self) -> tuple[Merged, Merged] | None:
+    def merged(self) -> MergedIndexes | None:
         """The merged indexes a lookup uses, extended now if :meth:`merge_due` (after a reopen,
         or when no snapshot thread did it); None while the files are few."""
         if self.merge_due():
             self.adopt(self.extended())
         return self._merged
 
-    def adopt(self, merged: tuple[Merged, Merged] | None) -> None:
+    def adopt(self, merged: MergedIndexes | None) -> None:
         """Use indexes merged over this history's first files (the snapshot thread's copy lists
         the same file objects); the files they cover drop their own hashes."""
         if merged is None:
@@ -469,7 +548,7 @@ class History:
         for file in self.files[:count]:
             file.unload()
 
-    def _covered(self) -> tuple[tuple[Merged, Merged] | None, Sequence[HistoryFile]]:
+    def _covered(self) -> tuple[MergedIndexes | None, Sequence[HistoryFile]]:
         merged = self.merged()
         return merged, self.files[merged[0].count :] if merged is not None else self.files
 
@@ -495,6 +574,19 @@ class History:
                     return position
         found = (file.position(submission_id, wanted) for file in reversed(rest))
         return next((position for position in found if position is not None), None)
+
+    def request(self, request_id: str) -> Any | None:
+        """A request's row ``[request_id, fingerprint, reply]``, or None (docs/QUEUE.md
+        "Idempotency": request ids live in history files once a snapshot moved them)."""
+        wanted = key_hash(request_id)
+        merged, rest = self._covered()
+        if merged is not None:
+            for number, place in merged[2].find(wanted):
+                row = self.files[number].request_at(place, request_id)
+                if row is not None:
+                    return row
+        found = (file.request(request_id, wanted) for file in reversed(rest))
+        return next((row for row in found if row is not None), None)
 
     def task_rows(self) -> Iterator[Any]:
         for file in self.files:

@@ -172,6 +172,10 @@ class QueueState:
     #: pack), journaled with the call that named it: collecting garbage, even right after a
     #: recovery, reads nothing to know a root's packs (docs/GC.md "Queue roots").
     ref_packs: dict[str, list[str] | int] = field(default_factory=dict)
+    #: Keys events put in ``ref_packs`` since the snapshot copy in flight was taken (live only,
+    #: never encoded): the live state keeps them when it forgets what that snapshot pruned
+    #: (``forget_reach``), since a replay of the journal after the snapshot puts them back.
+    reach_since: set[str] = field(default_factory=set)
     #: Terminal tasks and accepted receipts moved to disk (docs/FORMAT.md 8.4): the receipts
     #: below ``commits.base``, and tasks no longer in ``tasks``. Looked up when memory misses.
     history: History = field(default_factory=History)
@@ -244,6 +248,44 @@ class QueueState:
             counts[task.state] = counts.get(task.state, 0) + 1
         meta = {"workers": workers, "packs": packs, "unknown": unknown, "totals": totals, "counts": counts}
         return task_rows, receipts, meta
+
+    def spill_requests(self) -> list[tuple[str, list[Any]]]:
+        """Request rows for a history file: every request id in memory (an answer never changes
+        once given, so all of them can move; a lookup that misses memory reads the files)."""
+        return [(request_id, [request_id, seen[0], seen[1]]) for request_id, seen in self.requests.items()]
+
+    def unneeded_reach(self) -> list[str]:
+        """Keys of ``ref_packs`` that no root of this state can name any more (docs/GC.md "Queue
+        roots"): what terminal tasks, ended reads and released ledger entries named. Called on a
+        snapshot's copy once its history moved out: the rest of ``ref_packs`` is the inputs of
+        live tasks and outstanding reads, the ledger's references and results whose packs were
+        not recorded. A result of a history file whose packs were not recorded (journals older
+        than ``packs``) is resolved by reading it, as it was before ``reach`` was journaled."""
+        needed: set[str] = set()
+        for task_id in self.unfinished:
+            ref = self.tasks[task_id].spec.input_ref
+            if ref is not None:
+                needed.add(object_key(ref))
+        for inputs in self.read_inputs.values():
+            needed.update(ref_key(item) for item in inputs)
+        self.ledger.roots(frozenset(), lambda _label, item: needed.add(ref_key(item)))
+        for position, known in enumerate(self.commit_packs, self.commits.base):
+            if not known:
+                needed.add(ref_key(self.commits[position]["result_ref"]))
+        return [key for key in self.ref_packs if key not in needed]
+
+    def forget_reach(self, keys: Iterable[str]) -> None:
+        """Drop what a durable snapshot pruned from ``ref_packs`` (J5 H3), except the keys an
+        event put back since its copy was taken (``reach_since``): the live state then holds
+        what a replay of that snapshot and the journal after it would (I10)."""
+        for key in keys:
+            if key not in self.reach_since:
+                self.ref_packs.pop(key, None)
+
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop request ids a durable history file now answers for (``attach`` came first)."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
 
     def attach(self, file: HistoryFile) -> None:
         """A durable history file (named by a durable snapshot) now answers for what it holds."""
@@ -359,6 +401,9 @@ class QueueState:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         seen = self.requests.get(request_id)
+        if seen is None and self.history:
+            row = self.history.request(request_id)  # moved to a history file by a snapshot
+            seen = (row[1], row[2]) if row is not None else None
         if seen is None:
             return False, None
         if seen[0] != fingerprint:
@@ -1060,6 +1105,7 @@ class QueueState:
         reply = handler(self, event)
         if event.reach:
             self.ref_packs.update(event.reach)
+            self.reach_since.update(event.reach)
         return cast(R, reply)
 
     # ------------------------------------------------------------------ GC roots
@@ -1212,6 +1258,12 @@ def ref_key(ref: Mapping[str, Any]) -> str:
     manifest = ref["manifest"]
     segment = manifest["segment"]
     return f"{segment['path']}@{segment['offset']}#{manifest['ordinal']}"
+
+
+def object_key(ref: RecordSetRef) -> str:
+    """:func:`ref_key` of a reference object (without building its dict)."""
+    segment = ref.manifest.segment
+    return f"{segment.path}@{segment.offset}#{ref.manifest.ordinal}"
 
 
 _SPEC_FIELDS = (
