@@ -300,15 +300,7 @@ class HistoryFile:
     def task(self, task_id: str, wanted: int | None = None) -> Any | None:
         """The row of task ``task_id`` (its first element is the id), or None. ``wanted``: the
         id's :func:`key_hash`, when the caller has it."""
-        hashes = self.load()[0]
-        wanted = key_hash(task_id) if wanted is None else wanted
-        at = bisect.bisect_left(hashes, wanted)
-        while at < len(hashes) and hashes[at] == wanted:
-            row = self.task_at(at, task_id)
-            if row is not None:
-                return row
-            at += 1
-        return None
+        return _probe(self.load()[0], task_id, wanted, self.task_at)
 
     def task_at(self, at: int, task_id: str) -> Any | None:
         """The row at place ``at`` of the task index if it is task ``task_id``'s (hashes collide)."""
@@ -318,15 +310,8 @@ class HistoryFile:
 
     def position(self, submission_id: str, wanted: int | None = None) -> int | None:
         """The accepted position of ``submission_id`` if this file holds its receipt."""
-        hashes = self.load()[1]
-        wanted = key_hash(submission_id) if wanted is None else wanted
-        at = bisect.bisect_left(hashes, wanted)
-        while at < len(hashes) and hashes[at] == wanted:
-            position = self.position_at(at, submission_id)
-            if position is not None:
-                return position
-            at += 1
-        return None
+        found: int | None = _probe(self.load()[1], submission_id, wanted, self.position_at)
+        return found
 
     def position_at(self, at: int, submission_id: str) -> int | None:
         """The position at place ``at`` of the submission index if it is ``submission_id``'s."""
@@ -339,15 +324,7 @@ class HistoryFile:
 
     def request(self, request_id: str, wanted: int | None = None) -> Any | None:
         """The row ``[request_id, fingerprint, reply]`` of a request this file holds, or None."""
-        hashes = self.load()[2]
-        wanted = key_hash(request_id) if wanted is None else wanted
-        at = bisect.bisect_left(hashes, wanted)
-        while at < len(hashes) and hashes[at] == wanted:
-            row = self.request_at(at, request_id)
-            if row is not None:
-                return row
-            at += 1
-        return None
+        return _probe(self.load()[2], request_id, wanted, self.request_at)
 
     def request_at(self, at: int, request_id: str) -> Any | None:
         """The row at place ``at`` of the request index if it is request ``request_id``'s."""
@@ -399,6 +376,21 @@ class HistoryFile:
         for k in range(self.requests):
             self._row(entries[ENTRY.size * k : ENTRY.size * (k + 1)])
         self.meta()
+
+
+def _probe(
+    hashes: array.array[int], key: str, wanted: int | None, at: Callable[[int, str], Any | None]
+) -> Any | None:
+    """What ``at(place, key)`` answers at the first place of ``hashes`` holding ``key``'s hash
+    whose row is ``key``'s (hashes collide: each candidate's row names its key), else None."""
+    wanted = key_hash(key) if wanted is None else wanted
+    place = bisect.bisect_left(hashes, wanted)
+    while place < len(hashes) and hashes[place] == wanted:  # bounded by the equal hashes
+        found = at(place, key)
+        if found is not None:
+            return found
+        place += 1
+    return None
 
 
 def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[HistoryFile]:
@@ -554,39 +546,38 @@ class History:
 
     def task(self, task_id: str) -> Any | None:
         """A task's row, or None (usually from the in-memory hashes alone, no read)."""
-        wanted = key_hash(task_id)
-        merged, rest = self._covered()
-        if merged is not None:
-            for number, place in merged[0].find(wanted):
-                row = self.files[number].task_at(place, task_id)
-                if row is not None:
-                    return row
-        found = (file.task(task_id, wanted) for file in reversed(rest))
-        return next((row for row in found if row is not None), None)
+        return self._lookup(0, task_id, HistoryFile.task_at, HistoryFile.task)
 
     def position(self, submission_id: str) -> int | None:
-        wanted = key_hash(submission_id)
-        merged, rest = self._covered()
-        if merged is not None:
-            for number, place in merged[1].find(wanted):
-                position = self.files[number].position_at(place, submission_id)
-                if position is not None:
-                    return position
-        found = (file.position(submission_id, wanted) for file in reversed(rest))
-        return next((position for position in found if position is not None), None)
+        found: int | None = self._lookup(1, submission_id, HistoryFile.position_at, HistoryFile.position)
+        return found
 
     def request(self, request_id: str) -> Any | None:
         """A request's row ``[request_id, fingerprint, reply]``, or None (docs/QUEUE.md
         "Idempotency": request ids live in history files once a snapshot moved them)."""
-        wanted = key_hash(request_id)
+        return self._lookup(2, request_id, HistoryFile.request_at, HistoryFile.request)
+
+    def _lookup(
+        self,
+        index: int,
+        key: str,
+        at: Callable[[HistoryFile, int, str], Any | None],
+        probe: Callable[[HistoryFile, str, int], Any | None],
+    ) -> Any | None:
+        """``key`` in hash index ``index`` (tasks, submissions, requests): the merged index's
+        candidates first, then each file it does not cover, newest first."""
+        wanted = key_hash(key)
         merged, rest = self._covered()
         if merged is not None:
-            for number, place in merged[2].find(wanted):
-                row = self.files[number].request_at(place, request_id)
-                if row is not None:
-                    return row
-        found = (file.request(request_id, wanted) for file in reversed(rest))
-        return next((row for row in found if row is not None), None)
+            for number, place in merged[index].find(wanted):
+                found = at(self.files[number], place, key)
+                if found is not None:
+                    return found
+        for file in reversed(rest):
+            found = probe(file, key, wanted)
+            if found is not None:
+                return found
+        return None
 
     def task_rows(self) -> Iterator[Any]:
         for file in self.files:
