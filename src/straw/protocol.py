@@ -126,6 +126,22 @@ def digest(value: Any) -> str:
 # --------------------------------------------------------------------------- fast dicts
 
 
+def _copy_json(value: Any) -> Any:
+    """``copy.deepcopy`` of a value journaled as JSON (task metadata: dicts, lists, tuples and
+    scalars, checked acyclic and bounded in depth at submit), without deepcopy's memo and
+    dispatch: ``tasks`` and ``task_status`` copy one per task."""
+    kind = type(value)
+    if kind is dict:
+        return {key: _copy_json(item) for key, item in value.items()}
+    if kind is list:
+        return [_copy_json(item) for item in value]
+    if kind is tuple:
+        return tuple([_copy_json(item) for item in value])
+    if value is None or kind is str or kind is int or kind is float or kind is bool:
+        return value
+    return copy.deepcopy(value)
+
+
 def as_dict(value: Any) -> Any:
     """``dataclasses.asdict`` for straw's control types, without its deep copies (hot paths).
 
@@ -168,7 +184,7 @@ def as_dict(value: Any) -> Any:
         return {
             "task_id": value.task_id,
             "input_ref": as_dict(value.input_ref) if value.input_ref is not None else None,
-            "metadata": copy.deepcopy(value.metadata) if value.metadata else {},
+            "metadata": _copy_json(value.metadata) if value.metadata else {},
             "allow_empty": value.allow_empty,
             "max_attempts": value.max_attempts,
             "estimated_records": value.estimated_records,

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -28,6 +29,7 @@ from straw.protocol import (
     RecordSetRef,
     SegmentRef,
     TaskSpec,
+    as_dict,
     decode,
     digest,
     encode,
@@ -416,3 +418,41 @@ def test_dataclasses_are_frozen() -> None:
         ref.digest = "other"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         TaskSpec("t").priority = 3  # type: ignore[misc]
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), _JSON, max_size=4))
+def test_as_dict_of_a_task_spec_equals_asdict_and_shares_no_container(metadata: dict[str, Any]) -> None:
+    spec = TaskSpec("t", metadata=metadata)
+    fast = as_dict(spec)
+    assert fast == dataclasses.asdict(spec)
+    containers = []
+    todo: list[Any] = [fast["metadata"]]
+    while todo:  # every dict and list of the copy is a new object
+        item = todo.pop()
+        if isinstance(item, (dict, list)):
+            containers.append(id(item))
+            todo.extend(item.values() if isinstance(item, dict) else item)
+    originals = []
+    todo = [spec.metadata]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, (dict, list)):
+            originals.append(id(item))
+            todo.extend(item.values() if isinstance(item, dict) else item)
+    assert not set(containers) & set(originals)
