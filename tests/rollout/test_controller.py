@@ -11,6 +11,7 @@ import pytest
 
 from queue_helpers import Clock
 from rollout_helpers import finish, group_indices, interrupt, prompt_rows
+from straw.coordinator import Coordinator
 from straw.errors import LeaseExpired, StaleAttempt
 from straw.protocol import CommitReceipt, Lease, RecordSetRef, TaskSpec, decode
 from straw.rollout.checkpoint import RestorePlan
@@ -239,6 +240,24 @@ def test_complete_results_and_retries(open_controller: OpenController, open_read
     assert controller.complete(dataclasses.asdict(lease), ref.manifest) == ref.receipt  # type: ignore[arg-type]
     assert controller.heartbeat([lease]) == ["StaleAttempt"]
     assert controller.accepted(ref.receipt) == ref.receipt
+
+
+def test_failed_groups_are_recounted_only_when_a_task_failed_since(
+    make_config: MakeConfig, open_controller: OpenController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counting failed groups reads every task, history too; the count holds while the queue's
+    number of failed tasks does (a failed task stays failed)."""
+    controller = open_controller(make_config(task_max_attempts=1))
+    reads: list[int] = []
+    original = Coordinator.tasks
+    monkeypatch.setattr(Coordinator, "tasks", property(lambda q: (reads.append(1), original.fget(q))[1]))  # type: ignore[attr-defined]
+    assert controller.metrics()["failed_groups"] == 0 and reads == []  # nothing failed: no read
+    first, second = controller.take("r", 2).assignments
+    assert controller.fail(first.lease, "engine crashed") == "failed"
+    assert controller.metrics()["failed_groups"] == 1 and len(reads) == 1
+    assert controller.metrics()["failed_groups"] == 1 and len(reads) == 1  # unchanged: no read
+    assert controller.fail(second.lease, "engine crashed again") == "failed"
+    assert controller.metrics()["failed_groups"] == 2 and len(reads) == 2
 
 
 def test_release_fail_and_failed_groups(make_config: MakeConfig, open_controller: OpenController) -> None:

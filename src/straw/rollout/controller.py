@@ -237,6 +237,7 @@ class QueueController:
         self._retired: set[str] = set()
         self._active: set[str] = set()
         self._superseded: set[int] = set()
+        self._failed_count: tuple[int, int] | None = None  # (failed tasks, failed groups): metrics
         self._manager_leases: dict[str, Lease] = {}
         self._reader_tokens: dict[str, str] = {}
         self._training = _Training()
@@ -1102,10 +1103,7 @@ class QueueController:
         base = queue.metrics()
         with self._training_lock:
             unprocessed = list(self._unprocessed(queue))
-        failed = 0
-        for task_id, status in queue.tasks.items():
-            if task_id.startswith(PROMPT) and status["state"] == "failed":
-                failed += _category(status.get("failure")) != "Filtered"
+        failed = self._failed_groups(queue, int(base["tasks"].get("failed", 0)))
         return {
             "tasks": dict(base["tasks"]),
             "commits": base["commits"],
@@ -1121,6 +1119,23 @@ class QueueController:
                 "error": repr(self._gc_error) if self._gc_error is not None else None,
             },
         }
+
+    def _failed_groups(self, queue: Coordinator, failed_tasks: int) -> int:
+        """Failed prompt tasks but filtered ones. Counting them reads every task, history too,
+        so the count is kept with the queue's number of failed tasks it was made at: a failed
+        task stays failed, so while that number holds, so does the count."""
+        with self._state_lock:
+            known = self._failed_count
+        if known is not None and known[0] == failed_tasks:
+            return known[1]
+        failed = 0
+        if failed_tasks:
+            for task_id, status in queue.tasks.items():
+                if task_id.startswith(PROMPT) and status["state"] == "failed":
+                    failed += _category(status.get("failure")) != "Filtered"
+        with self._state_lock:
+            self._failed_count = (failed_tasks, failed)  # a failure meanwhile: recounted next time
+        return failed
 
     # ------------------------------------------------------------------ checkpoints and readers
 
