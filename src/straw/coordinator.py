@@ -757,26 +757,18 @@ class Coordinator:
                 ids = state.forget_receipts(cut)
                 state.forget_submissions(ids)
                 budget -= len(ids)
-            while budget > 0 and spilled.task_ids:
-                chunk = spilled.task_ids[-budget:]
-                del spilled.task_ids[-budget:]
-                state.forget_tasks(chunk)
-                budget -= len(chunk)
-            for pending, forget in (
+            pending = (
+                (spilled.task_ids, state.forget_tasks),
                 (spilled.request_ids, state.forget_requests),
                 (spilled.reach_keys, state.forget_reach),
-            ):
-                while budget > 0 and pending:
-                    chunk = pending[-budget:]
-                    del pending[-budget:]
+            )
+            for keys, forget in pending:
+                if budget > 0 and keys:
+                    chunk = keys[-budget:]
+                    del keys[-budget:]
                     forget(chunk)
                     budget -= len(chunk)
-            if (
-                state.commits.base == spilled.stop
-                and not spilled.task_ids
-                and not spilled.request_ids
-                and not spilled.reach_keys
-            ):
+            if state.commits.base == spilled.stop and not any(keys for keys, _ in pending):
                 self._spilled.popleft()
 
     def _await_snapshot(self) -> BaseException | None:
