@@ -504,3 +504,41 @@ def test_rollout_publications_are_plain_straw_codec_publications(make_config: Ma
     assert type(value["group"][0]) is Sample and value["group"][0].status is SampleStatus.COMPLETED
     assert isinstance(value["group"][0].rollout_routed_experts, TensorRef)
     assert isinstance(value["ref"], DiskPayloadRef) and value["ref"].load() == [1]
+
+
+@dataclasses.dataclass
+class CopyCountingSample(Sample):
+    """A Sample subclass with its own copy hook (module level, so the codec can name it)."""
+
+    copies: int = 0
+
+    def __copy__(self) -> CopyCountingSample:
+        out = dataclasses.replace(self, copies=self.copies + 1)
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k.startswith("_")})
+        return out
+
+
+def test_converted_replay_leaves_the_callers_samples_alone(make_config: MakeConfig) -> None:
+    codec = codec_of(sc_config(make_config))
+
+    def finished(cls: type[Sample], index: int) -> Sample:
+        sample = cls(
+            index=index,
+            tokens=[1, 2, 3],
+            response_length=2,
+            status=SampleStatus.COMPLETED,
+            rollout_routed_experts=np.zeros((2, 1, 2), np.int32),
+            rollout_topk_token_ids=[[1, 2], [3, 4]],
+            rollout_topk_log_probs=[[-0.1, -0.2], [-0.3, -0.4]],
+        )
+        sample.__dict__["_extra"] = {"kept": index}  # an attribute beyond the fields travels too
+        return sample
+
+    plain, custom = finished(Sample, 1), finished(CopyCountingSample, 2)
+    before = [dict(vars(plain)), dict(vars(custom))]
+    loaded = codec.load(codec.publish([plain, custom], submission_id="copies"))
+    assert [dict(vars(plain)), dict(vars(custom))] == before  # converted on copies only
+    assert type(loaded[0]) is Sample and type(loaded[1]) is CopyCountingSample
+    assert loaded[1].copies == 1  # a subclass's own copy hook was used for its converted copy
+    assert loaded[0]._extra == {"kept": 1} and loaded[1]._extra == {"kept": 2}
+    assert loaded[0].rollout_topk_token_ids.dtype == "int32"

@@ -58,6 +58,8 @@ def checksum(data: Any) -> str:
 def chunk_checksums(view: memoryview, chunk: int = CHUNK_BYTES) -> str:
     """Concatenated xxh3-64 hex digests of each ``chunk``-byte slice of ``view``."""
     digest = xxhash.xxh3_64_hexdigest
+    if view.nbytes <= chunk:  # most records: one chunk (or none)
+        return digest(view) if view.nbytes else ""
     return "".join(digest(view[start : start + chunk]) for start in range(0, view.nbytes, chunk))
 
 

@@ -29,9 +29,12 @@ PACK_SUFFIX = ".pack"
 STANDALONE_SUFFIX = ".seg"
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A record ready to frame: description plus the caller's (flat) payload view."""
+class Entry(NamedTuple):
+    """A record ready to frame: description plus the caller's (flat) payload view.
+
+    A named tuple, not a dataclass: a write makes one per record, and a frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field) cost more than the rest of its checks.
+    """
 
     record_id: str
     codec: str

@@ -124,6 +124,16 @@ def _values(value: Any) -> np.ndarray[Any, Any]:
     return np.asarray(value.detach().cpu().numpy())
 
 
+def _shallow_copy(sample: Sample) -> Sample:
+    """``copy.copy`` of a sample; for the exact ``Sample`` class its attribute dict is copied
+    directly (what copy.copy does for it, without the pickle-protocol detour, per sample)."""
+    if type(sample) is not Sample:
+        return copy.copy(sample)  # a subclass may define its own copying
+    out = object.__new__(Sample)
+    out.__dict__.update(sample.__dict__)
+    return out
+
+
 class _SamplePrep:
     """Checks and converts one sample's replay captures; the result is a shallow copy if needed."""
 
@@ -175,7 +185,7 @@ class _SamplePrep:
                 changed[name] = narrowed if fits else array
         if not changed:
             return self.sample
-        out = copy.copy(self.sample)
+        out = _shallow_copy(self.sample)
         for name, value in changed.items():
             object.__setattr__(out, name, value)
         if self.validated:
