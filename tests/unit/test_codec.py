@@ -93,9 +93,24 @@ class Computed:
         self.derived = self.x * 2
 
 
+@dataclasses.dataclass
+class Clamped:
+    """``level`` became a property with a setter after documents storing it were written."""
+
+    name: str
+
+    @property
+    def level(self) -> int:
+        return int(self.__dict__["_level"])
+
+    @level.setter
+    def level(self, value: int) -> None:
+        self.__dict__["_level"] = min(value, 10)
+
+
 # A load rebuilds only registered classes (publishing registers a class in the writing process
 # too, but documents written by hand below name these before anything is published).
-for _cls in (Status, Priority, Perm, Sample, Frozen, Slotted, Computed):
+for _cls in (Status, Priority, Perm, Sample, Frozen, Slotted, Computed, Clamped):
     codec.register(_cls)
 
 
@@ -479,6 +494,14 @@ def test_classes_that_cannot_be_rebuilt_are_unsupported(
 ) -> None:
     with pytest.raises(UnsupportedSchema, match=message):
         document_ref(store, {"v": 1, "root": node}).load()
+
+
+def test_a_stored_attribute_that_is_now_a_descriptor_goes_through_it(store: SharedFilesystemStore) -> None:
+    fields, attrs = [["name", "a"]], [["level", 42]]
+    node = {"t": "dataclass", "cls": f"{__name__}:Clamped", "fields": fields, "attrs": attrs}
+    loaded = document_ref(store, {"v": 1, "root": node}).load()
+    assert loaded.name == "a" and loaded.level == 10  # the setter ran, as attribute assignment would
+    assert "level" not in vars(loaded)
 
 
 def test_a_field_added_to_the_class_since_publication_gets_its_default(store: SharedFilesystemStore) -> None:

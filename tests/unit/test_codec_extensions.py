@@ -161,6 +161,23 @@ def test_classes_restricts_the_registry(store: SharedFilesystemStore) -> None:
         ref.load(classes={Point})  # type: ignore[arg-type]
 
 
+def test_classes_resolve_the_live_binding_of_a_registered_name(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = codec.publish(store, {"p": Point(1, 2)}, submission_id="rebound")
+    allowed = {f"{__name__}:Point", f"{__name__}:Color"}
+
+    @dataclasses.dataclass
+    class Replacement:  # the module's binding replaced (a reload, a slots=True rebuild)
+        x: int
+        y: int
+
+    Replacement.__module__, Replacement.__qualname__ = __name__, "Point"
+    monkeypatch.setattr(sys.modules[__name__], "Point", Replacement)
+    loaded = ref.load(classes=allowed)["p"]
+    assert type(loaded) is Replacement and (loaded.x, loaded.y) == (1, 2)
+
+
 def test_register_bad_input() -> None:
     @dataclasses.dataclass
     class Local:

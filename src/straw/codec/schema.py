@@ -20,7 +20,7 @@ import math
 import operator
 import sys
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -207,19 +207,52 @@ def _live(name: str, cls: type) -> type:
     return found if isinstance(found, type) and _name_of(found) == name else cls
 
 
-def allowed_classes(classes: Collection[str] | None) -> dict[str, type] | None:
-    """Resolve a ``classes=`` set (names the caller chose) to classes; None means the registry."""
+class _Allowed(Mapping[str, type]):
+    """The classes a ``classes=`` set names, each registered one resolved on first use.
+
+    A load meets a few of the names a large allowlist holds; resolving each registered name's
+    live binding (:func:`_live`) only when the document names it keeps a load's cost
+    independent of the allowlist's size. Names not registered were imported up front.
+    """
+
+    def __init__(self, registered: dict[str, type], imported: dict[str, type]) -> None:
+        self._registered = registered
+        self._resolved = imported
+
+    def __getitem__(self, name: str) -> type:
+        found = self._resolved.get(name)
+        if found is None:
+            found = self._resolved[name] = _live(name, self._registered[name])  # KeyError: not named
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self._registered, **self._resolved})
+
+    def __len__(self) -> int:
+        return len(self._registered.keys() | self._resolved.keys())
+
+
+def allowed_classes(classes: Collection[str] | None) -> Mapping[str, type] | None:
+    """Resolve a ``classes=`` set (names the caller chose) to classes; None means the registry.
+
+    Names not registered are imported here (an error names them at once); registered names
+    are resolved to their live binding when a document names them (``get``).
+    """
     if classes is None:
         return None
     if isinstance(classes, str) or not isinstance(classes, Collection):
         raise TypeError("classes= takes a collection of 'module:qualname' names")
-    out: dict[str, type] = {}
+    registered: dict[str, type] = {}
+    imported: dict[str, type] = {}
     for name in classes:
         if not isinstance(name, str):
             raise TypeError(f"classes= names are 'module:qualname' strings, got {type(name).__name__}")
         known = _registry.get(name)
-        out[name] = _live(name, known) if known is not None else find_class(name)
-    return out
+        if known is not None:
+            registered[name] = known
+        else:
+            imported[name] = find_class(name)
+    return _Allowed(registered, imported)
 
 
 def unknown_class(name: str) -> UnknownClass:
@@ -850,6 +883,23 @@ def _defaults(cls: type) -> tuple[tuple[str, Any, Any], ...]:
     return found
 
 
+#: Per class: the names of data descriptors (slots, properties) its instances' attributes
+#: would go through; an instance with a ``__dict__`` and none of these names is filled at once.
+_DESCRIPTORS: dict[type, frozenset[str]] = {}
+
+
+def _descriptors(cls: type) -> frozenset[str]:
+    found = _DESCRIPTORS.get(cls)
+    if found is None:
+        found = _DESCRIPTORS[cls] = frozenset(
+            name
+            for klass in cls.__mro__[:-1]  # not object's own attributes
+            for name, attribute in vars(klass).items()
+            if hasattr(type(attribute), "__set__") or hasattr(type(attribute), "__delete__")
+        )
+    return found
+
+
 def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     name = _text(node["cls"])
     cls = reader.resolve(name)
@@ -859,7 +909,7 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         obj = object.__new__(cls)
     except TypeError as error:
         raise UnsupportedSchema(f"cannot rebuild {name} without calling it: {error}") from None
-    stored = set()
+    values: dict[str, Any] = {}
     # (A field at the nesting limit still goes through node(), which refuses it.)
     scalars = _PLAIN_TYPES if depth <= NESTING_DEPTH_MAX else frozenset()
     for pair in _list(node["fields"]) + _list(node["attrs"]):
@@ -868,21 +918,25 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         key, value = pair
         if type(key) is not str:
             raise TypeError(f"expected a string, got {type(key).__name__}")
-        item = value if type(value) in scalars else reader.node(value, depth)
-        try:
-            object.__setattr__(obj, key, item)
-        except AttributeError:
-            raise UnsupportedSchema(
-                f"{name} has no attribute {key!r} (the class changed since publication)"
-            ) from None
-        stored.add(key)
+        values[key] = value if type(value) in scalars else reader.node(value, depth)
     for field_name, default, factory in _defaults(cls):  # fields added to the class since publication
-        if field_name in stored:
+        if field_name in values:
             continue
         if default is not dataclasses.MISSING:
-            object.__setattr__(obj, field_name, default)
+            values[field_name] = default
         elif factory is not dataclasses.MISSING:
-            object.__setattr__(obj, field_name, factory())
+            values[field_name] = factory()
+    attributes = getattr(obj, "__dict__", None)
+    if attributes is not None and _descriptors(cls).isdisjoint(values):
+        attributes.update(values)  # what object.__setattr__ of each would do, in one call
+    else:  # slots or descriptors: each attribute through object.__setattr__
+        for key, item in values.items():
+            try:
+                object.__setattr__(obj, key, item)
+            except AttributeError:
+                raise UnsupportedSchema(
+                    f"{name} has no attribute {key!r} (the class changed since publication)"
+                ) from None
     return reader.rebuilt(obj)
 
 
