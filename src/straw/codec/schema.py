@@ -339,6 +339,8 @@ class _Encoder:
         self.dependencies: list[Any] = []
         self.dependency_index: dict[Any, int] = {}
         self.layouts: dict[type, _Layout] = {}  # see layout()
+        self.enums: dict[type, str] = {}  # enum type -> its checked name (named())
+        self.dataclasses: set[type] = set()  # dataclass types that are not special (other())
 
     def where(self) -> str:
         return "".join(self.path)
@@ -460,9 +462,17 @@ class _Encoder:
         return {"t": "dict", "items": items}
 
     def other(self, value: Any, depth: int) -> Any:
+        if type(value) in self.dataclasses:  # a type met before: no other check applies to it
+            return self.dataclass(value, depth)
         if isinstance(value, enum.Enum):
-            cls = self.named(type(value))
-            return {"t": "enum", "cls": cls, "v": self.child(".value", value.value, depth)}
+            kind = type(value)
+            cls = self.enums.get(kind)
+            if cls is None:
+                cls = self.enums[kind] = self.named(kind)
+            member = value.value
+            if type(member) is str or type(member) is int:  # most enums: their value is its own node
+                return {"t": "enum", "cls": cls, "v": member}
+            return {"t": "enum", "cls": cls, "v": self.child(".value", member, depth)}
         if type(value) is np.ndarray:
             return self.part(value, "tensor", {"t": "ndarray"}, self.tensor_kind())
         if isinstance(value, np.generic):
@@ -491,6 +501,9 @@ class _Encoder:
                 loaded, kind = payload()
                 return self.part(loaded, "tensor", {"t": "tref"}, kind, source=value, tag="tref")
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            # special() and the checks above depend on the type only: its next instances come
+            # straight here (every sample of a publication is one).
+            self.dataclasses.add(type(value))
             return self.dataclass(value, depth)
         kind = type(value)
         type_name = f"{kind.__module__}.{kind.__qualname__}"
@@ -553,8 +566,13 @@ class _Encoder:
         simple = _PLAIN_TYPES
         if values is not None:
             for name, item in zip(names, values, strict=True):
-                if type(item) in simple and name != edge:  # most fields: their own node (_leaf's)
+                kind = type(item)
+                if kind in simple and name != edge:  # most fields: their own node (_leaf's)
                     fields.append([name, item])
+                elif kind is np.ndarray and name != edge:  # replay captures: other()'s part, directly
+                    self.path.append(f".{name}")
+                    fields.append([name, self.part(item, "tensor", {"t": "ndarray"}, self.tensor_kind())])
+                    self.path.pop()
                 else:
                     fields.append([name, self.field(name, item, edge, depth)])
         else:
@@ -608,7 +626,9 @@ def encode_sample(
     """The sample.v1 document of ``value``; raises before anything is written.
 
     ``special`` recognises the types this pure module does not import (torch tensors,
-    PIL images, TensorRef, PayloadRef) and returns ``(tag, payload)`` or ``None``.
+    PIL images, TensorRef, PayloadRef) and returns ``(tag, payload)`` or ``None``; whether it
+    returns ``None`` depends on the value's type only (a dataclass type it declined once is not
+    offered to it again within the call).
     ``dependency_fields`` maps a dataclass type to the field whose ``RecordSetRef`` is stored
     as a dependency of the publication (an ``rset`` node) instead of as data.
     A cycle raises :class:`CyclicValue` (a ``ValueError``) and an unsupported object
