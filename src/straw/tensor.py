@@ -265,12 +265,16 @@ def tensor_bytes(value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
     if sys.byteorder != "little":
         raise UnsupportedSchema("tensor.v1 stores little-endian bytes; this host is big-endian")
     if isinstance(value, np.ndarray):
-        name = _NUMPY_NAMES.get(value.dtype.newbyteorder("="))
+        # (A native dtype is its own key; another byte order is looked up as native.)
+        name = _NUMPY_NAMES.get(value.dtype) or _NUMPY_NAMES.get(value.dtype.newbyteorder("="))
         if name is None:
             raise UnsupportedSchema(
                 f"NumPy dtype {value.dtype} is not supported (supported: {', '.join(DTYPES)})"
             )
-        shape = tuple(int(n) for n in value.shape)
+        shape = _dims(value.shape)  # a tuple of ints
+        native = value.dtype == _STORAGE[name]
+        if native and type(value) is np.ndarray and value.size and value.flags.c_contiguous:
+            return memoryview(value).cast("B"), name, shape  # stored as it is: its own memory, flat
         array = np.ascontiguousarray(value, dtype=_STORAGE[name])
     elif is_torch_tensor(value):
         torch = sys.modules["torch"]
@@ -287,13 +291,17 @@ def tensor_bytes(value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
         tensor = tensor.contiguous()
         if name == "bfloat16":
             tensor = tensor.view(torch.int16)
-        shape = tuple(int(n) for n in value.shape)
+        shape = _dims(tuple(int(n) for n in value.shape))
         array = tensor.numpy()
     else:
         raise UnsupportedSchema(f"expected a NumPy array or a torch.Tensor, got {type(value).__name__}")
+    return array.reshape(-1).view(np.uint8).data, name, shape
+
+
+def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) > TENSOR_DIMS_MAX:
         raise UnsupportedSchema(f"tensor has {len(shape)} dimensions, at most {TENSOR_DIMS_MAX} are stored")
-    return array.reshape(-1).view(np.uint8).data, name, shape
+    return shape
 
 
 def tensor_record(

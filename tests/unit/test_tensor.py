@@ -20,6 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from straw import Record, SharedFilesystemStore, protocol
 from straw import tensor as tensor_module
@@ -28,7 +31,7 @@ from straw._pack.reader import read_buffer
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from straw.limits import CHUNK_BYTES, READ_MAPPING_BYTES_MIN, MiB
-from straw.tensor import TENSOR_CODEC, TensorRef, attach, detach, publish_tensors
+from straw.tensor import TENSOR_CODEC, TensorRef, attach, detach, publish_tensors, tensor_bytes
 
 RUN = "run-tensor-tests"
 CODECS = ("bytes.v1", "json.v1", TENSOR_CODEC)
@@ -702,3 +705,32 @@ def test_release_tensor_publications_refuses_refs_without_a_publication(store: S
         tensor_module.release_tensor_publications(store, [bare])
     with pytest.raises(TypeError, match="TensorRef"):
         tensor_module.release_tensor_publications(store, [ref.record_ref])  # type: ignore[list-item]
+
+
+_STORED = {"u1": "uint8", "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64", "f2": "float16"}
+_STORED |= {"f4": "float32", "f8": "float64", "b1": "bool"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    array=st.sampled_from(sorted(_STORED)).flatmap(
+        lambda code: hnp.arrays(
+            st.sampled_from([np.dtype(code), np.dtype(code).newbyteorder(">")]),
+            hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+        )
+    ),
+    layout=st.sampled_from(["as is", "fortran", "reversed", "masked"]),
+)
+def test_tensor_bytes_are_the_little_endian_c_order_bytes(array: np.ndarray, layout: str) -> None:
+    value = {
+        "as is": array,
+        "fortran": np.asfortranarray(array),
+        "reversed": array[::-1] if array.ndim else array,
+        "masked": np.ma.masked_array(array),
+    }[layout]
+    view, name, shape = tensor_bytes(value)
+    expected = np.ascontiguousarray(value, dtype=np.dtype(array.dtype.str[1:]).newbyteorder("<"))
+    assert name == _STORED[array.dtype.str[1:]]
+    assert shape == value.shape and all(type(n) is int for n in shape)
+    assert view.format == "B" and view.ndim == 1 and view.nbytes == expected.nbytes
+    assert bytes(view) == expected.tobytes()
