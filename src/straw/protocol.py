@@ -82,13 +82,24 @@ _ENCODE = _canonical_encoder()
 
 def encode(value: Any) -> bytes:
     """Canonical JSON: sorted keys, compact separators, UTF-8, no NaN/Infinity."""
+    return encode_text(value).encode("utf-8")
+
+
+def encode_text(value: Any) -> str:
+    """The text of :func:`encode` before its UTF-8 encoding (for callers that splice canonical
+    texts into a larger canonical document, see :func:`quote`)."""
     try:
-        text = _ENCODE(value)
+        return _ENCODE(value)
     except RecursionError:
         raise ValueError("cannot encode canonically: the value contains itself (circular)") from None
     except ValueError as error:
         raise ValueError(f"cannot encode canonically: {error} (NaN and Infinity are rejected)") from None
-    return text.encode("utf-8")
+
+
+#: A str as canonical JSON text: the string encoder :func:`encode` itself uses, so a document
+#: composed of ``quote``d strings, ``str`` of ints and :func:`encode_text` parts, with its keys
+#: written in sorted order, is exactly the text ``encode_text`` gives for the whole.
+quote: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def _reject_constant(name: str) -> Any:

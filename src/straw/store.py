@@ -30,7 +30,7 @@ from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
 from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, SharedMemo, read_buffer
-from ._pack.writer import CommitUncertain, Entry, PackWriter
+from ._pack.writer import CommitUncertain, Entry, PackWriter, owned_metadata
 from .backend import FilesystemBackend
 from .errors import (
     CorruptData,
@@ -73,6 +73,8 @@ from .protocol import (
     decode,
     digest,
     encode,
+    encode_text,
+    quote,
 )
 
 __all__ = ["POOL_MARKER", "Adoption", "ReadSession", "SharedFilesystemStore"]
@@ -88,9 +90,27 @@ R = TypeVar("R")
 
 
 def logical_digest(entries: Sequence[frame.IndexEntry | Entry], dependency_digests: Sequence[str]) -> str:
-    """The layout-independent identity of a record set (docs/FORMAT.md section "Logical digest")."""
-    records = [[e.record_id, e.codec, e.metadata, e.tokens, _length(e), e.content] for e in entries]
-    return digest({"v": frame.FORMAT_VERSION, "records": records, "deps": list(dependency_digests)})
+    """The layout-independent identity of a record set (docs/FORMAT.md section "Logical digest").
+
+    ``digest({"v": ..., "records": [[id, codec, metadata, tokens, length, content], ...],
+    "deps": [...]})``, composed from parts (keys in sorted order) so that a record's metadata
+    is encoded once per write (``Entry.meta_text``); a property test holds the two equal.
+    """
+    number = int.__repr__
+    rows = ",".join(
+        [
+            f"[{quote(e.record_id)},{quote(e.codec)},{_meta_text(e)},{number(e.tokens)},"
+            f"{number(_length(e))},{quote(e.content)}]"
+            for e in entries
+        ]
+    )
+    deps = encode_text(list(dependency_digests))
+    text = f'{{"deps":{deps},"records":[{rows}],"v":{number(frame.FORMAT_VERSION)}}}'
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _meta_text(entry: frame.IndexEntry | Entry) -> str:
+    return entry.meta_text if isinstance(entry, Entry) and entry.meta_text else encode_text(entry.metadata)
 
 
 def _length(entry: frame.IndexEntry | Entry) -> int:
@@ -830,7 +850,10 @@ class SharedFilesystemStore:
         metadata = record.metadata
         if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
             raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
-        encoded = len(encode(metadata))
+        # The text is made from the copy the written index will share, so the two agree.
+        owned = owned_metadata(metadata)
+        meta_text = encode_text(metadata if owned is None else owned)
+        encoded = len(meta_text) if meta_text.isascii() else len(meta_text.encode("utf-8"))
         if encoded > METADATA_BYTES_MAX:
             raise ResourceLimitExceeded(
                 f"record {record_id!r}: metadata is {encoded} bytes, the limit is {METADATA_BYTES_MAX}"
@@ -847,7 +870,8 @@ class SharedFilesystemStore:
                 f"{RECORD_BYTES_MAX} bytes (RECORD_BYTES_MAX)"
             )
         content = xxhash.xxh3_128_hexdigest(view)
-        return Entry(record_id, record.codec, metadata, tokens, view, content, frame.chunk_checksums(view))
+        chunks = frame.chunk_checksums(view)
+        return Entry(record_id, record.codec, metadata, tokens, view, content, chunks, None, meta_text, owned)
 
     def _manifest_entry(self, manifest: frame.Manifest, record_id: str) -> Entry:
         empty = memoryview(b"")

@@ -274,7 +274,7 @@ def tensor_bytes(value: Any) -> tuple[memoryview, str, tuple[int, ...]]:
         shape = _dims(value.shape)  # a tuple of ints
         native = value.dtype == _STORAGE[name]
         if native and type(value) is np.ndarray and value.size and value.flags.c_contiguous:
-            return memoryview(value).cast("B"), name, shape  # stored as it is: its own memory, flat
+            return value.data.cast("B"), name, shape  # stored as it is: its own memory, flat
         array = np.ascontiguousarray(value, dtype=_STORAGE[name])
     elif is_torch_tensor(value):
         torch = sys.modules["torch"]

@@ -22,7 +22,7 @@ from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
 from ..limits import CHUNK_BYTES, PACK_PREALLOC_BYTES
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode_text
 from . import frame, reader
 
 PACK_SUFFIX = ".pack"
@@ -45,6 +45,11 @@ class Entry(NamedTuple):
     chunks: str
     #: A manifest body kept inside the index frame (no record frame is written).
     inline: dict[str, object] | None = None
+    #: The metadata's canonical JSON text (what the index frame and the logical digest hold)
+    #: and, when it is plain JSON, the copy that text was made from (:func:`owned_metadata`),
+    #: which the written index shares with readers. Empty text: encoded when framed.
+    meta_text: str = ""
+    owned: dict[str, Any] | None = None
 
 
 class CommitUncertain(Exception):
@@ -82,7 +87,7 @@ class _NotPlain(Exception):
     """Metadata holding something its stored JSON form would change (a tuple, an enum, ...)."""
 
 
-def _owned(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+def owned_metadata(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     """A copy of a record's metadata sharing no container with the caller's, or ``None``.
 
     ``None`` when the metadata holds anything but exact JSON types (str-keyed dicts, lists,
@@ -243,18 +248,21 @@ class PackWriter:
         """Frames of one extent at ``start``, and the index entries it records."""
         buffers: list[posix.Buffer] = []
         placed: list[frame.IndexEntry] = []
+        texts: list[str] = []  # the metadata text of each entry of ``placed`` ("" for inline ones)
         position = start
         shareable = True
         for e in entries:
             if e.inline is not None:
                 placed.append(frame.inline_entry(e.record_id, e.inline))
+                texts.append("")
                 continue
             buffers.append(frame.encode_frame_header(frame.KIND_RECORD, e.payload.nbytes, e.content))
             buffers.append(e.payload)
             position += frame.FRAME_HEADER_BYTES
-            metadata = _owned(e.metadata)  # a copy: the caller's values stay theirs to change
-            if metadata is None:
+            metadata = e.owned if e.meta_text else owned_metadata(e.metadata)
+            if metadata is None:  # (the caller's values stay theirs to change: a copy)
                 shareable, metadata = False, dict(e.metadata)
+            texts.append(e.meta_text or encode_text(metadata))
             placed.append(
                 frame.IndexEntry(
                     e.record_id,
@@ -268,9 +276,7 @@ class PackWriter:
                 )
             )
             position += e.payload.nbytes
-        head, body, sum_hex = frame.encode_json_frame(
-            frame.KIND_INDEX, frame.index_body(submission_id, placed)
-        )
+        head, body, sum_hex = frame.encode_index_frame(submission_id, placed, texts)
         buffers += [head, body]
         return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed, shareable)
 

@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -82,9 +82,11 @@ class UnknownClass(UnsupportedSchema):
         self.class_name = class_name
 
 
-@dataclass(frozen=True)
-class Part:
-    """A value stored as its own record: ``kind`` is "tensor" (array/tensor) or "bytes"."""
+class Part(NamedTuple):
+    """A value stored as its own record: ``kind`` is "tensor" (array/tensor) or "bytes".
+
+    (A named tuple: a sample's replay captures make several per sample.)
+    """
 
     kind: str
     value: Any

@@ -1,0 +1,91 @@
+"""Canonical JSON composed from parts equals the canonical encoding of the whole.
+
+The index frame and the logical digest splice each record's metadata text (encoded once per
+write) into the document instead of encoding it again; their bytes must stay exactly those of
+``protocol.encode`` (docs/FORMAT.md sections 4 and "Logical digest").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from straw._pack import frame
+from straw._pack.writer import Entry, owned_metadata
+from straw.protocol import encode, encode_text
+from straw.store import logical_digest
+
+_texts = st.text(
+    alphabet=st.characters(blacklist_categories=["Cs"]) | st.sampled_from('"\\\n\t\x00\u2028/'), max_size=12
+)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _texts,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_texts, inner, max_size=3),
+    max_leaves=12,
+)
+_hex = st.text(alphabet=string.hexdigits.lower(), min_size=0, max_size=32)
+_count = st.integers(min_value=0, max_value=2**63 - 1)
+
+
+@st.composite
+def _index_entries(draw: st.DrawFn) -> frame.IndexEntry:
+    if draw(st.integers(0, 5)) == 0:
+        return frame.inline_entry(draw(_texts), draw(st.dictionaries(_texts, _json, max_size=3)))
+    return frame.IndexEntry(
+        draw(_texts),
+        draw(_texts),
+        draw(st.dictionaries(_texts, _json, max_size=4)),
+        draw(_count),
+        draw(_count),
+        draw(_count),
+        draw(_hex),
+        draw(_hex),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(submission=_texts, entries=st.lists(_index_entries(), max_size=6), chunk=_count)
+def test_the_composed_index_frame_is_the_encoded_index_body(
+    submission: str, entries: list[frame.IndexEntry], chunk: int
+) -> None:
+    texts = ["" if e.inline is not None else encode_text(e.metadata) for e in entries]
+    composed = frame.encode_index_frame(submission, entries, texts, chunk)
+    assert composed == frame.encode_json_frame(frame.KIND_INDEX, frame.index_body(submission, entries, chunk))
+
+
+def _legacy_digest(rows: list[list[Any]], deps: list[str]) -> str:
+    return hashlib.sha256(encode({"v": frame.FORMAT_VERSION, "records": rows, "deps": deps})).hexdigest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(_texts, _texts, st.dictionaries(_texts, _json, max_size=4), _count, _hex, st.booleans()),
+        max_size=6,
+    ),
+    deps=st.lists(_hex, max_size=3),
+)
+def test_the_composed_logical_digest_is_the_digest_of_the_document(
+    records: list[tuple[str, str, dict[str, Any], int, str, bool]], deps: list[str]
+) -> None:
+    entries: list[Entry] = []
+    indexed: list[frame.IndexEntry] = []
+    rows = []
+    for record_id, codec, metadata, tokens, content, pre_encoded in records:
+        payload = memoryview(content.encode())
+        owned = owned_metadata(metadata)
+        text = encode_text(owned) if pre_encoded else ""
+        entries.append(Entry(record_id, codec, metadata, tokens, payload, content, "", None, text, owned))
+        indexed.append(frame.IndexEntry(record_id, codec, metadata, tokens, 0, payload.nbytes, content, ""))
+        rows.append([record_id, codec, metadata, tokens, payload.nbytes, content])
+    expected = _legacy_digest(rows, deps)
+    assert logical_digest(entries, deps) == expected  # a write's entries (text given or not)
+    assert logical_digest(indexed, deps) == expected  # entries read back from an index
