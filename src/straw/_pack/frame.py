@@ -189,13 +189,96 @@ class IndexEntry:
     inline: dict[str, Any] | None = None
 
 
-@dataclass(frozen=True)
-class Index:
-    """A decoded index frame: every record of one durable write."""
+#: One index entry as an :class:`Index` keeps it: ``(record_id, codec, metadata, tokens, offset,
+#: length, content, chunks, inline)``, where ``metadata`` is a tuple of ``(key, value)`` pairs
+#: when every value is a JSON scalar and its canonical JSON bytes otherwise, and ``inline`` is
+#: an inline manifest's canonical JSON bytes (or None). A collection untracks a tuple holding
+#: only strings, numbers, bytes and such tuples; one holding a dict, even an empty one, stays
+#: tracked for good (CPython's ``_PyTuple_MaybeUntrack``), hence pairs rather than a dict.
+Row = tuple[str, str, "tuple[tuple[str, Any], ...] | bytes", int, int, int, str, str, "bytes | None"]
 
-    submission_id: str
-    chunk_bytes: int
-    entries: tuple[IndexEntry, ...]
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _meta_form(metadata: dict[str, Any]) -> tuple[tuple[str, Any], ...] | bytes:
+    """A row's form of an entry's metadata (see :data:`Row`)."""
+    if all(type(v) in _SCALARS for v in metadata.values()):
+        return tuple(metadata.items())
+    return encode(metadata)
+
+
+def _row(entry: IndexEntry) -> Row:
+    meta = _meta_form(entry.metadata)
+    inline = None if entry.inline is None else encode(entry.inline)
+    return (entry.record_id, entry.codec, meta, entry.tokens, entry.offset, entry.length,
+            entry.content, entry.chunks, inline)  # fmt: skip
+
+
+class Index:
+    """A decoded index frame: every record of one durable write.
+
+    Parsed index frames are cached by the thousand (``reader.SHARED_INDEXES``, every reader's
+    own cache): kept as IndexEntry objects with their metadata and inline manifests, each
+    entry is up to six objects that every full cycle collection walks (the collector's
+    longest pauses, issue 12). So an index keeps one :data:`Row` of plain values per entry,
+    which the collector untracks, and :meth:`entry` builds the IndexEntry when one is asked
+    for (metadata that nests containers and inline manifests are decoded then, each time).
+    """
+
+    __slots__ = ("chunk_bytes", "rows", "submission_id")
+
+    def __init__(self, submission_id: str, chunk_bytes: int, entries: Sequence[IndexEntry]) -> None:
+        self.submission_id = submission_id
+        self.chunk_bytes = chunk_bytes
+        self.rows: tuple[Row, ...] = tuple([_row(e) for e in entries])
+
+    @classmethod
+    def of_rows(cls, submission_id: str, chunk_bytes: int, rows: tuple[Row, ...]) -> Index:
+        index = cls.__new__(cls)
+        index.submission_id, index.chunk_bytes, index.rows = submission_id, chunk_bytes, rows
+        return index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def entry(self, ordinal: int) -> IndexEntry:
+        """Entry ``ordinal`` (0 <= ordinal < len(self)), built afresh from its row."""
+        record_id, codec, meta, tokens, offset, length, content, chunks, inline = self.rows[ordinal]
+        return IndexEntry(
+            record_id,
+            codec,
+            dict(meta) if isinstance(meta, tuple) else decode(meta),
+            tokens,
+            offset,
+            length,
+            content,
+            chunks,
+            None if inline is None else decode(inline),
+        )
+
+    def metadata(self, ordinal: int) -> dict[str, Any]:
+        """Entry ``ordinal``'s metadata alone, built afresh."""
+        meta = self.rows[ordinal][2]
+        return dict(meta) if isinstance(meta, tuple) else decode(meta)
+
+    @property
+    def entries(self) -> tuple[IndexEntry, ...]:
+        """Every entry, built afresh (a walk over the whole frame: inspection, tests)."""
+        return tuple([self.entry(i) for i in range(len(self.rows))])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Index):
+            return NotImplemented
+        return (self.submission_id, self.chunk_bytes, self.rows) == (
+            other.submission_id,
+            other.chunk_bytes,
+            other.rows,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Index({self.submission_id!r}, chunk_bytes={self.chunk_bytes}, entries={len(self)})"
 
 
 def index_body(submission_id: str, entries: Sequence[IndexEntry], chunk: int = CHUNK_BYTES) -> dict[str, Any]:
@@ -259,14 +342,14 @@ def parse_index(body: object, body_bytes: int = INDEX_BYTES_MAX) -> Index:
     records = _get(body, "records", list, "index")
     if chunk <= 0 or chunk % 4096 or len(records) > RECORDS_PER_WRITE_MAX:
         raise CorruptData("index: chunk size or record count out of range")
-    entries = tuple(_parse_entry(item, chunk, body_bytes) for item in records)
+    rows = tuple([_parse_entry(item, chunk, body_bytes) for item in records])
     submission = _get(body, "sub", str, "index")
     if len(submission) > SUBMISSION_ID_BYTES_MAX:
         raise CorruptData("index: submission id longer than the format allows")
-    return Index(submission, chunk, entries)
+    return Index.of_rows(submission, chunk, rows)
 
 
-def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
+def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
     if type(item) is not dict:
         raise CorruptData("index record is not an object")
     record_id, codec = item.get("id"), item.get("codec")
@@ -276,7 +359,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
     if inline is not None:
         if codec != MANIFEST_CODEC or type(inline) is not dict:
             raise CorruptData(f"index record {record_id!r}: only manifests are stored inline")
-        return inline_entry(record_id, inline)
+        return (record_id, MANIFEST_CODEC, (), 0, 0, 0, "", "", encode(inline))
     meta, tokens, offset, length = item.get("meta"), item.get("tokens"), item.get("off"), item.get("len")
     content, chunks = item.get("hash"), item.get("chunks")
     if (
@@ -299,7 +382,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
         raise CorruptData(f"index record {record_id!r}: malformed content hash")
     if len(chunks) != 16 * chunk_count(length, chunk) or not _HEX.fullmatch(chunks):
         raise CorruptData(f"index record {record_id!r}: chunk checksum table does not match its length")
-    return IndexEntry(record_id, codec, meta, tokens, offset, length, content, chunks)
+    return (record_id, codec, _meta_form(meta), tokens, offset, length, content, chunks, None)
 
 
 # --------------------------------------------------------------------------- manifest

@@ -160,7 +160,8 @@ class QueueState:
     commits: CommitLog = field(default_factory=CommitLog)
     commit_workers: list[str] = field(default_factory=list)
     #: Packs each accepted result reaches (known when it was validated), so GC roots need no I/O.
-    commit_packs: list[list[str]] = field(default_factory=list)
+    #: Tuples, which a collection untracks (a list per receipt stays tracked for good).
+    commit_packs: list[tuple[str, ...]] = field(default_factory=list)
     producers: dict[str, Any] = field(default_factory=dict)
     reads: dict[tuple[str, str], Lease] = field(default_factory=dict)
     #: Inputs each outstanding read was granted (and later given by save_task_progress): the
@@ -212,8 +213,8 @@ class QueueState:
 
     def packs_at(self, position: int) -> list[str]:
         base = self.commits.base
-        return (
-            list(self.history.receipt(position)[2]) if position < base else self.commit_packs[position - base]
+        return list(
+            self.history.receipt(position)[2] if position < base else self.commit_packs[position - base]
         )
 
     def spillable(self) -> tuple[list[Task], int]:
@@ -758,7 +759,7 @@ class QueueState:
         }
         self.commits.append(receipt)
         self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
-        self.commit_packs.append(list(event.packs or ()))
+        self.commit_packs.append(tuple(event.packs or ()))
         self.submissions[event.submission_id] = receipt["position"]
         self._prune_expiry()
         return receipt
@@ -1317,7 +1318,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "commit_workers": state.commit_workers,
         # A result that lives in one pack (the usual case) reaches just its manifest's pack: 0.
         "commit_packs": [
-            0 if packs == [state.commits.result_path(position)] else packs
+            0 if packs == (state.commits.result_path(position),) else list(packs)
             for position, packs in enumerate(state.commit_packs, state.commits.base)
         ],
         "producers": state.producers,
@@ -1464,7 +1465,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.commits = CommitLog.unpack(data["commits"], state.run_id)
     state.commit_workers = list(data["commit_workers"])
     state.commit_packs = [
-        [state.commits.result_path(position)] if packs == 0 else list(packs)
+        (state.commits.result_path(position),) if packs == 0 else tuple(packs)
         for position, packs in enumerate(data["commit_packs"], state.commits.base)
     ]
     invariant(
