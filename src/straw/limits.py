@@ -192,6 +192,13 @@ invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid re
 #: state more often for little memory (docs/QUEUE.md "Snapshots and memory").
 JOURNAL_SNAPSHOT_BYTES_MIN = 8 * MiB
 
+#: Items of a list or dict that one call of the C JSON encoder encodes when a snapshot body is
+#: encoded in the background (``protocol.encode_pieces``): the encoder holds the GIL for a
+#: whole call, and a snapshot's tables hold tens of thousands of rows, so encoded in one call
+#: they stopped every caller for tens of milliseconds. 1024 task rows take well under a
+#: millisecond; each piece costs one more Python-level join.
+JSON_ITEMS_PER_CALL_MAX = 1024
+
 #: Entries (receipts, submission ids, tasks) the live state forgets per call once a history
 #: file holds them (J5 H3): the work is spread over calls, so none waits long behind it.
 HISTORY_FORGET_PER_CALL = 1024

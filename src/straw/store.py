@@ -626,24 +626,26 @@ class _Remembered:
         shape, segment, rows = self._shape, self._segment, self._rows
         if segment is None:
             return self._other
-        if shape == "set":
-            return _set_ref(segment, rows[0])
-        if shape == "sets":
-            return [_set_ref(segment, row) for row in rows]
         if shape == "records":
             return tuple(RecordRef(segment, ordinal) for ordinal in rows)
-        return self._other
+        refs = [_set_ref(segment, rows, at) for at in range(0, len(rows), _SET_ROW)]
+        return refs[0] if shape == "set" else refs
 
     @property
     def references(self) -> int:
         """References the answer holds: a list of them (``publish_many``, ``write_records``) or one."""
         if self._shape == "other":
             return len(self._other) if isinstance(self._other, (list, tuple)) else 1
-        return len(self._rows)
+        return len(self._rows) if self._shape == "records" else len(self._rows) // _SET_ROW
 
 
-def _set_ref(segment: SegmentRef, row: tuple[int, str, int, int, int]) -> RecordSetRef:
-    return RecordSetRef(RecordRef(segment, row[0]), row[1], row[2], row[3], row[4])
+#: Values a remembered set reference keeps, one after another in one flat tuple (a tuple of
+#: tuples is untracked only once a collection met the inner ones first).
+_SET_ROW = 5
+
+
+def _set_ref(segment: SegmentRef, rows: tuple[Any, ...], at: int) -> RecordSetRef:
+    return RecordSetRef(RecordRef(segment, rows[at]), rows[at + 1], rows[at + 2], rows[at + 3], rows[at + 4])
 
 
 def _set_row(ref: RecordSetRef) -> tuple[int, str, int, int, int]:
@@ -654,13 +656,13 @@ def _compact(result: Any) -> tuple[str, SegmentRef | None, tuple[Any, ...], Any]
     """``_Remembered``'s form of an answer: its shape, the extent its references name, a row of
     plain values per reference; anything else (none yet, references to several extents) as is."""
     if type(result) is RecordSetRef:
-        return "set", result.manifest.segment, (_set_row(result),), None
+        return "set", result.manifest.segment, _set_row(result), None
     if result and type(result) in (list, tuple):
         first = result[0]
         if type(result) is list and all(type(r) is RecordSetRef for r in result):
             segment = first.manifest.segment
             if all(r.manifest.segment == segment for r in result):
-                return "sets", segment, tuple([_set_row(r) for r in result]), None
+                return "sets", segment, tuple([x for r in result for x in _set_row(r)]), None
         if (
             type(result) is tuple
             and all(type(r) is RecordRef for r in result)

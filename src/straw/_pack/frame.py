@@ -189,29 +189,41 @@ class IndexEntry:
     inline: dict[str, Any] | None = None
 
 
-#: One index entry as an :class:`Index` keeps it: ``(record_id, codec, metadata, tokens, offset,
-#: length, content, chunks, inline)``, where ``metadata`` is a tuple of ``(key, value)`` pairs
-#: when every value is a JSON scalar and its canonical JSON bytes otherwise, and ``inline`` is
-#: an inline manifest's canonical JSON bytes (or None). A collection untracks a tuple holding
-#: only strings, numbers, bytes and such tuples; one holding a dict, even an empty one, stays
-#: tracked for good (CPython's ``_PyTuple_MaybeUntrack``), hence pairs rather than a dict.
-Row = tuple[str, str, "tuple[tuple[str, Any], ...] | bytes", int, int, int, str, str, "bytes | None"]
+#: One index entry as an :class:`Index` keeps it, one flat tuple of plain values:
+#: ``(record_id, codec, tokens, offset, length, content, chunks, inline, meta, *pairs)``.
+#: ``inline`` is an inline manifest's canonical JSON bytes (or None). When every metadata value
+#: is a JSON scalar, ``meta`` is None and the keys and values follow as ``k1, v1, k2, v2, ...``;
+#: otherwise ``meta`` is the metadata's canonical JSON bytes. A collection untracks a tuple
+#: whose items are all untracked: strings, numbers, bytes, but not a dict, not even an empty
+#: one (CPython's ``_PyTuple_MaybeUntrack``), and a tuple nested in it only once a pass has
+#: met the inner one first, hence one flat tuple per entry.
+Row = tuple[Any, ...]
 
 _SCALARS = (str, int, float, bool, type(None))
+_META = 8  # where a row's ``meta`` is; its pairs follow
 
 
-def _meta_form(metadata: dict[str, Any]) -> tuple[tuple[str, Any], ...] | bytes:
-    """A row's form of an entry's metadata (see :data:`Row`)."""
+def _row(
+    record_id: str, codec: str, metadata: dict[str, Any], tokens: int, offset: int, length: int,
+    content: str, chunks: str, inline: bytes | None,
+) -> Row:  # fmt: skip
+    head = (record_id, codec, tokens, offset, length, content, chunks, inline)
     if all(type(v) in _SCALARS for v in metadata.values()):
-        return tuple(metadata.items())
-    return encode(metadata)
+        return (*head, None, *[x for pair in metadata.items() for x in pair])
+    return (*head, encode(metadata))
 
 
-def _row(entry: IndexEntry) -> Row:
-    meta = _meta_form(entry.metadata)
+def _entry_row(entry: IndexEntry) -> Row:
     inline = None if entry.inline is None else encode(entry.inline)
-    return (entry.record_id, entry.codec, meta, entry.tokens, entry.offset, entry.length,
-            entry.content, entry.chunks, inline)  # fmt: skip
+    return _row(entry.record_id, entry.codec, entry.metadata, entry.tokens, entry.offset, entry.length,
+                entry.content, entry.chunks, inline)  # fmt: skip
+
+
+def _row_metadata(row: Row) -> dict[str, Any]:
+    meta = row[_META]
+    if meta is None:
+        return dict(zip(row[_META + 1 :: 2], row[_META + 2 :: 2], strict=True))
+    return dict(decode(meta))
 
 
 class Index:
@@ -230,7 +242,7 @@ class Index:
     def __init__(self, submission_id: str, chunk_bytes: int, entries: Sequence[IndexEntry]) -> None:
         self.submission_id = submission_id
         self.chunk_bytes = chunk_bytes
-        self.rows: tuple[Row, ...] = tuple([_row(e) for e in entries])
+        self.rows: tuple[Row, ...] = tuple([_entry_row(e) for e in entries])
 
     @classmethod
     def of_rows(cls, submission_id: str, chunk_bytes: int, rows: tuple[Row, ...]) -> Index:
@@ -243,11 +255,12 @@ class Index:
 
     def entry(self, ordinal: int) -> IndexEntry:
         """Entry ``ordinal`` (0 <= ordinal < len(self)), built afresh from its row."""
-        record_id, codec, meta, tokens, offset, length, content, chunks, inline = self.rows[ordinal]
+        row = self.rows[ordinal]
+        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_META]
         return IndexEntry(
             record_id,
             codec,
-            dict(meta) if isinstance(meta, tuple) else decode(meta),
+            _row_metadata(row),
             tokens,
             offset,
             length,
@@ -258,8 +271,7 @@ class Index:
 
     def metadata(self, ordinal: int) -> dict[str, Any]:
         """Entry ``ordinal``'s metadata alone, built afresh."""
-        meta = self.rows[ordinal][2]
-        return dict(meta) if isinstance(meta, tuple) else decode(meta)
+        return _row_metadata(self.rows[ordinal])
 
     @property
     def entries(self) -> tuple[IndexEntry, ...]:
@@ -359,7 +371,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
     if inline is not None:
         if codec != MANIFEST_CODEC or type(inline) is not dict:
             raise CorruptData(f"index record {record_id!r}: only manifests are stored inline")
-        return (record_id, MANIFEST_CODEC, (), 0, 0, 0, "", "", encode(inline))
+        return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(inline), None)
     meta, tokens, offset, length = item.get("meta"), item.get("tokens"), item.get("off"), item.get("len")
     content, chunks = item.get("hash"), item.get("chunks")
     if (
@@ -382,7 +394,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
         raise CorruptData(f"index record {record_id!r}: malformed content hash")
     if len(chunks) != 16 * chunk_count(length, chunk) or not _HEX.fullmatch(chunks):
         raise CorruptData(f"index record {record_id!r}: chunk checksum table does not match its length")
-    return (record_id, codec, _meta_form(meta), tokens, offset, length, content, chunks, None)
+    return _row(record_id, codec, meta, tokens, offset, length, content, chunks, None)
 
 
 # --------------------------------------------------------------------------- manifest
