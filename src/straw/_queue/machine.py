@@ -223,10 +223,9 @@ class QueueState:
         done = [t for t in self.tasks.values() if t.state in (COMPLETED, FAILED, CANCELLED)]
         return done, len(self.commits)
 
-    def spill_rows(self, tasks: Sequence[Task], stop: int) -> tuple[list[Any], list[Any], dict[str, Any]]:
-        """The rows of a history file for ``tasks`` and positions ``commits.base .. stop - 1``."""
-        task_rows = [(t.spec.task_id, task_row(t, self)) for t in tasks]
-        receipts = []
+    def spill_rows(self, tasks: Sequence[Task], stop: int) -> tuple[_TaskRows, _ReceiptRows, dict[str, Any]]:
+        """The rows of a history file for ``tasks`` and positions ``commits.base .. stop - 1``:
+        rows built a block at a time when the file is (``history.Rows``), and the file's meta row."""
         workers: dict[str, list[int]] = {}
         packs: dict[str, list[int]] = {}
         unknown: list[int] = []
@@ -234,7 +233,6 @@ class QueueState:
         for position in range(self.commits.base, stop):
             receipt = self.commits[position]
             worker, reached = self.worker_at(position), self.packs_at(position)
-            receipts.append((receipt["submission_id"], [receipt, worker, reached]))
             workers.setdefault(worker, []).append(position)
             for pack in reached:
                 packs.setdefault(pack, []).append(position)
@@ -248,7 +246,7 @@ class QueueState:
         for task in tasks:
             counts[task.state] = counts.get(task.state, 0) + 1
         meta = {"workers": workers, "packs": packs, "unknown": unknown, "totals": totals, "counts": counts}
-        return task_rows, receipts, meta
+        return _TaskRows(self, tasks), _ReceiptRows(self, stop), meta
 
     def spill_requests(self) -> list[tuple[str, list[Any]]]:
         """Request rows for a history file: every request id in memory (an answer never changes
@@ -1330,6 +1328,43 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "ref_packs": state.ref_packs,
         "history": state.history.describe(),
     }
+
+
+class _TaskRows:
+    """Terminal tasks as history file rows (``history.Rows``), each built when its block is."""
+
+    def __init__(self, state: QueueState, tasks: Sequence[Task]) -> None:
+        self._state, self._tasks = state, tasks
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def key(self, at: int) -> str:
+        return self._tasks[at].spec.task_id
+
+    def rows(self, ats: Sequence[int]) -> list[Any]:
+        return [task_row(self._tasks[at], self._state) for at in ats]
+
+
+class _ReceiptRows:
+    """Accepted positions ``commits.base .. stop - 1`` as history file rows (``history.Rows``):
+    ``[receipt, worker, packs reached]``, each built when its block is."""
+
+    def __init__(self, state: QueueState, stop: int) -> None:
+        self._state, self._base = state, state.commits.base
+        self._ids = state.commits.submission_ids(stop)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def key(self, at: int) -> str:
+        return self._ids[at]
+
+    def rows(self, ats: Sequence[int]) -> list[Any]:
+        state, base = self._state, self._base
+        return [
+            [state.commits[base + at], state.worker_at(base + at), state.packs_at(base + at)] for at in ats
+        ]
 
 
 def task_row(task: Task, state: QueueState) -> list[Any]:
