@@ -216,3 +216,36 @@ def test_index_rows_and_entries_round_trip_through_a_frame() -> None:
     body = frame.index_body("sub", entries)
     assert frame.parse_index(body) == index
     assert store_module._Located is not None  # the store builds its located records from these rows
+
+
+class _CountingRows:
+    """``history.Rows`` that records how many rows each request builds."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs, self.asked = pairs, []
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def key(self, at: int) -> str:
+        return self.pairs[at][0]
+
+    def rows(self, ats: Any) -> list[Any]:
+        self.asked.append(len(ats))
+        return [self.pairs[at][1] for at in ats]
+
+
+def test_a_history_file_is_built_a_block_of_rows_at_a_time() -> None:
+    from straw._queue import history
+    from straw.limits import HISTORY_BLOCK_ROWS
+
+    tasks = [(f"t{k}", [f"t{k}", {"n": k}]) for k in range(300)]
+    receipts = [(f"s{k}", [{"submission_id": f"s{k}"}, "w", []]) for k in range(200)]
+    requests = [("r1", ["r1", "x", "y"])]
+    meta = {"counts": {"completed": 300}}
+    lazy_tasks, lazy_receipts = _CountingRows(tasks), _CountingRows(receipts)
+    assert history.build(9, 40, lazy_tasks, lazy_receipts, meta, requests) == history.build(
+        9, 40, tasks, receipts, meta, requests
+    )
+    assert max(lazy_tasks.asked + lazy_receipts.asked) == HISTORY_BLOCK_ROWS
+    assert sum(lazy_tasks.asked) == 300 and sum(lazy_receipts.asked) == 200
