@@ -80,6 +80,7 @@ from .protocol import (
     decode,
     digest,
     encode,
+    encode_pieces,
 )
 from .store import Adoption, SharedFilesystemStore
 
@@ -692,7 +693,9 @@ class Coordinator:
     def _snapshot_bytes(self, state: QueueState) -> bytes:
         body = state_to_dict(state)
         body["identity"] = self._identity()  # I21: what queue.json says, kept where replay finds it
-        return encode(body)
+        # In pieces: one C encoder call over the whole state would hold the GIL throughout,
+        # stopping every caller while this background thread encodes (issue 12).
+        return b"".join(encode_pieces(body))
 
     def _spill(self, state: QueueState, seq: int) -> _Spilled | None:
         """J5 H1-H2: what is terminal as of frame ``seq`` goes to ``hist/<seq>.hist`` (written,

@@ -100,12 +100,28 @@ IOVEC_COUNT_MAX = 1024
 #: Open pack file descriptors one reader keeps cached.
 OPEN_PACKS_MAX = 64
 
-#: Record sets a read session remembers having verified (each verified once per session;
-#: an entry holds the set's located index entries, which the index cache shares).
+#: Index entries (records and manifests) of the parsed index frames one reader keeps, most
+#: recently used last: counted in entries, not frames, since one ``publish_many`` frame may
+#: hold thousands. An entry is kept as one tuple of plain values (``frame.Row``, about 0.6 KB
+#: with its strings), which the cycle collector untracks, so the cache costs memory, not
+#: collector time. A validating reader (``shared=True``) keeps here only what it read itself.
+INDEX_CACHE_ENTRIES_MAX = 16384
+
+#: Index entries of the index frames shared by every reader of the process
+#: (``reader.SHARED_INDEXES``: what its stores wrote or verified), as INDEX_CACHE_ENTRIES_MAX
+#: counts them: some 10 MiB.
+SHARED_INDEX_ENTRIES_MAX = 16384
+
+#: Record sets a read session remembers having verified (each verified once per session).
+#: An entry is one tracked object when the set's records share one extent (the set's located
+#: records are rebuilt from the shared index when asked), more only for sets spread over
+#: several extents: 4096 of them cost a full cycle collection a few milliseconds at most.
 RECORD_SETS_CACHED_MAX = 4096
 
 #: Record sets the stores of one process published and remember resolved, for every session
 #: of that process (FORMAT.md section 5, "Record sets this process wrote"); oldest first out.
+#: Kept as RECORD_SETS_CACHED_MAX's entries are; 4096 covers what the validating coordinator
+#: of a process running dozens of workers that publish 64 results at a time meets in flight.
 WRITTEN_SETS_CACHED_MAX = 4096
 
 #: Delays (seconds) between attempts to open a file that is not yet visible
@@ -119,10 +135,11 @@ VISIBILITY_RETRY_DELAYS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 SUBMISSIONS_REMEMBERED_MAX = 1_000_000
 
 #: References one store instance remembers across those submissions (a ``publish_many`` of
-#: 64 publications remembers 64): the answers are kept whole for a retry, about 1 KB per
-#: reference with their strings, so a worker publishing a million results would otherwise
-#: keep a gigabyte (and a cycle collector pass over millions of objects) for retries that
-#: come within seconds of the call. Oldest submissions go first; the newest is always kept.
+#: 64 publications remembers 64): a worker publishing a million results would otherwise keep
+#: every answer for retries that come within seconds of the call. Oldest submissions go
+#: first; the newest is always kept. An answer is kept as its extent's SegmentRef plus a
+#: tuple of plain values per reference (``store._Remembered``, some 200 bytes each, untracked
+#: by the cycle collector), and rebuilt on a retry.
 SUBMITTED_REFS_REMEMBERED_MAX = 16384
 
 # Tensors and the sample codec -------------------------------------------------
@@ -174,6 +191,13 @@ invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid re
 #: smaller would add history files (one per snapshot) and rewrite the live
 #: state more often for little memory (docs/QUEUE.md "Snapshots and memory").
 JOURNAL_SNAPSHOT_BYTES_MIN = 8 * MiB
+
+#: Items of a list or dict that one call of the C JSON encoder encodes when a snapshot body is
+#: encoded in the background (``protocol.encode_pieces``): the encoder holds the GIL for a
+#: whole call, and a snapshot's tables hold tens of thousands of rows, so encoded in one call
+#: they stopped every caller for tens of milliseconds. 1024 task rows take well under a
+#: millisecond; each piece costs one more Python-level join.
+JSON_ITEMS_PER_CALL_MAX = 1024
 
 #: Entries (receipts, submission ids, tasks) the live state forgets per call once a history
 #: file holds them (J5 H3): the work is spread over calls, so none waits long behind it.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from .errors import CorruptData, InvalidReference, ResourceLimitExceeded
+from .limits import JSON_ITEMS_PER_CALL_MAX
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -100,6 +101,55 @@ def encode_text(value: Any) -> str:
 #: composed of ``quote``d strings, ``str`` of ints and :func:`encode_text` parts, with its keys
 #: written in sorted order, is exactly the text ``encode_text`` gives for the whole.
 quote: Callable[[str], str] = json.encoder.encode_basestring
+
+
+def encode_pieces(value: Any, items: int = JSON_ITEMS_PER_CALL_MAX) -> list[bytes]:
+    """:func:`encode` in pieces whose concatenation is ``encode(value)``, byte for byte.
+
+    The C encoder holds the GIL for a whole call, so encoding a large state in one call stops
+    every other thread of the process meanwhile (issue 12: a background snapshot's encode held
+    it for tens of milliseconds). Here a list or dict of more than ``items`` items is encoded
+    ``items`` at a time, and the dicts of the top levels are walked key by key, so between
+    two C calls the other threads get their turn.
+    """
+    out: list[str] = []
+    try:
+        _pieces(value, items, out, 0)
+    except RecursionError:
+        raise ValueError("cannot encode canonically: the value contains itself (circular)") from None
+    except ValueError as error:
+        raise ValueError(f"cannot encode canonically: {error} (NaN and Infinity are rejected)") from None
+    return [piece.encode("utf-8") for piece in out]
+
+
+#: Levels of nested dicts that :func:`encode_pieces` walks key by key however small they are
+#: (a snapshot body nests its large tables one or two levels down).
+_WALKED_LEVELS = 3
+
+
+def _pieces(value: Any, items: int, out: list[str], depth: int) -> None:
+    kind = type(value)
+    if kind is dict and all(type(k) is str for k in value):
+        keys = sorted(value)
+        if len(keys) > items:
+            for start in range(0, len(keys), items):
+                chunk = _ENCODE({k: value[k] for k in keys[start : start + items]})
+                out.append(("{" if start == 0 else ",") + chunk[1:-1])
+            out.append("}")
+        elif depth < _WALKED_LEVELS and keys:
+            for number, key in enumerate(keys):
+                out.append(("{" if number == 0 else ",") + json.encoder.encode_basestring(key) + ":")
+                _pieces(value[key], items, out, depth + 1)
+            out.append("}")
+        else:
+            out.append(_ENCODE(value))
+    elif (kind is list or kind is tuple) and len(value) > items:
+        for start in range(0, len(value), items):
+            chunk = _ENCODE(list(value[start : start + items]))
+            out.append(("[" if start == 0 else ",") + chunk[1:-1])
+        out.append("]")
+    else:
+        out.append(_ENCODE(value))
 
 
 def _reject_constant(name: str) -> Any:

@@ -120,24 +120,104 @@ def _length(entry: frame.IndexEntry | Entry) -> int:
 # --------------------------------------------------------------------------- reading
 
 
-@dataclass(frozen=True)
 class _Located:
-    """A record's verified index entry and the segment whose index lists it."""
+    """A record's verified index entry and the segment whose index lists it.
 
-    segment: SegmentRef
-    ordinal: int
-    entry: frame.IndexEntry
-    chunk: int
+    It keeps the verified index and the entry's ordinal there, and builds the entry when asked
+    (``frame.Index`` keeps its entries as rows of plain values, for the cycle collector's sake).
+    """
+
+    __slots__ = ("index", "ordinal", "segment")
+
+    def __init__(self, segment: SegmentRef, ordinal: int, index: frame.Index) -> None:
+        self.segment, self.ordinal, self.index = segment, ordinal, index
+
+    @property
+    def entry(self) -> frame.IndexEntry:
+        return self.index.entry(self.ordinal)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The entry's metadata alone, built afresh."""
+        return self.index.metadata(self.ordinal)
+
+    @property
+    def chunk(self) -> int:
+        return self.index.chunk_bytes
 
     def ref(self) -> RecordRef:
         return RecordRef(self.segment, self.ordinal)
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Located):
+            return NotImplemented
+        return (self.segment, self.ordinal, self.chunk, self.entry) == (
+            other.segment,
+            other.ordinal,
+            other.chunk,
+            other.entry,
+        )
 
-@dataclass(frozen=True)
+    __hash__ = None  # type: ignore[assignment]
+
+
 class _Resolved:
-    manifest: frame.Manifest
-    records: tuple[_Located, ...]
-    dependencies: tuple[RecordSetRef, ...]
+    """What verifying a record set found: its digest, its records located, its dependencies.
+
+    The memos of verified sets keep thousands of these, and every object in them is one more
+    for each full cycle collection to walk (issue 12). So it keeps no parsed manifest (only
+    its digest is asked for again), and when every record is in one extent (the usual case)
+    it keeps that extent's segment and index with a tuple of ordinals, which the collector
+    untracks, and builds the located records when asked.
+    """
+
+    __slots__ = ("_index", "_ordinals", "_records", "_segment", "dependencies", "digest")
+
+    def __init__(
+        self, digest: str, records: Sequence[_Located], dependencies: tuple[RecordSetRef, ...]
+    ) -> None:
+        self.digest, self.dependencies = digest, dependencies
+        first = records[0] if records else None
+        self._segment: SegmentRef | None = None
+        self._index: frame.Index | None = None
+        if first is not None and all(r.index is first.index and r.segment is first.segment for r in records):
+            self._segment, self._index = first.segment, first.index
+            self._ordinals = tuple([r.ordinal for r in records])
+            self._records: tuple[_Located, ...] | None = None
+        else:
+            self._ordinals = ()
+            self._records = tuple(records)
+
+    @property
+    def records(self) -> tuple[_Located, ...]:
+        segment, index = self._segment, self._index
+        if segment is None or index is None:
+            return self._records or ()
+        return tuple([_Located(segment, o, index) for o in self._ordinals])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Resolved):
+            return NotImplemented
+        return (self.digest, self.records, self.dependencies) == (
+            other.digest,
+            other.records,
+            other.dependencies,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+#: A record set reference as the memos of verified sets key it: every field of the reference,
+#: as one tuple of plain values (untracked by the cycle collector, unlike the reference).
+SetKey = tuple[Any, ...]
+
+
+def set_key(ref: RecordSetRef) -> SetKey:
+    """The memo key of ``ref``: equal exactly when the references are equal."""
+    manifest = ref.manifest
+    s = manifest.segment
+    return (s.run_id, s.path, s.segment_id, s.size, s.checksum, s.version, s.checksum_algorithm, s.offset,
+            manifest.ordinal, ref.digest, ref.records, ref.payload_bytes, ref.tokens)  # fmt: skip
 
 
 #: Record sets the stores of this process published, resolved, by their exact reference.
@@ -150,7 +230,7 @@ class _Resolved:
 #: segment checks, and the index frame read and verified when not cached), so only the
 #: manifest's parse and the digest's recomputation are skipped. Bounded by
 #: ``WRITTEN_SETS_CACHED_MAX``, oldest first out.
-WRITTEN_SETS: SharedMemo[RecordSetRef, _Resolved] = SharedMemo(lambda: WRITTEN_SETS_CACHED_MAX)
+WRITTEN_SETS: SharedMemo[SetKey, _Resolved] = SharedMemo(lambda: WRITTEN_SETS_CACHED_MAX)
 
 
 #: Forks this process descends from (bumped in each child): a session compares it with the
@@ -177,7 +257,7 @@ class ReadSession:
         self._forks = _FORKS[0]
         self._closed = False
         # Record sets this session verified, by their exact reference (see ``resolve``).
-        self._resolved: OrderedDict[RecordSetRef, _Resolved] = OrderedDict()
+        self._resolved: OrderedDict[SetKey, _Resolved] = OrderedDict()
 
     @property
     def forked(self) -> bool:
@@ -231,11 +311,9 @@ class ReadSession:
             raise InvalidReference(f"expected a RecordRef, got {type(ref).__name__}")
         index = self._reader.index(ref.segment)
         ordinal = ref.ordinal
-        if not isinstance(ordinal, int) or isinstance(ordinal, bool) or not 0 <= ordinal < len(index.entries):
-            raise InvalidReference(
-                f"record ordinal {ordinal!r} is not in an extent of {len(index.entries)} records"
-            )
-        return _Located(ref.segment, ordinal, index.entries[ordinal], index.chunk_bytes)
+        if not isinstance(ordinal, int) or isinstance(ordinal, bool) or not 0 <= ordinal < len(index):
+            raise InvalidReference(f"record ordinal {ordinal!r} is not in an extent of {len(index)} records")
+        return _Located(ref.segment, ordinal, index)
 
     def resolve(self, ref: RecordSetRef) -> _Resolved:
         """Verify a record set reference down to its records' index entries.
@@ -251,28 +329,30 @@ class ReadSession:
         self._usable()
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
-        known = self._resolved.get(ref)
+        key = set_key(ref)
+        known = self._resolved.get(key)
         if known is not None:
             self.locate(ref.manifest)
-            self._resolved.move_to_end(ref)
+            self._resolved.move_to_end(key)
             return known
-        known = WRITTEN_SETS.get(ref)
+        known = WRITTEN_SETS.get(key)
         if known is not None:
             self.locate(ref.manifest)  # as for a set of the memo: the extent is located again
             return known
         resolved = self._verify(ref)
-        self._resolved[ref] = resolved
+        self._resolved[key] = resolved
         while len(self._resolved) > RECORD_SETS_CACHED_MAX:
             self._resolved.popitem(last=False)
         return resolved
 
     def _verify(self, ref: RecordSetRef) -> _Resolved:
         top = self.locate(ref.manifest)
-        if top.entry.codec != frame.MANIFEST_CODEC:
-            raise InvalidReference(f"record {top.entry.record_id!r} is not a manifest")
-        body = top.entry.inline
+        head = top.entry
+        if head.codec != frame.MANIFEST_CODEC:
+            raise InvalidReference(f"record {head.record_id!r} is not a manifest")
+        body = head.inline
         if body is None:
-            body = decode(self._reader.payload(top.segment, top.entry, top.chunk))
+            body = decode(self._reader.payload(top.segment, head, top.chunk))
         manifest = frame.parse_manifest(body)
         if manifest.digest != ref.digest:
             raise InvalidReference(
@@ -297,7 +377,7 @@ class ReadSession:
             raise InvalidReference(
                 "the reference's usage counts do not match its manifest (records, payload bytes, tokens)"
             )
-        return _Resolved(manifest, tuple(records), dependencies)
+        return _Resolved(manifest.digest, tuple(records), dependencies)
 
     @staticmethod
     def _segment(data: Mapping[str, Any]) -> SegmentRef:
@@ -344,7 +424,7 @@ class ReadSession:
         resolved = self.resolve(ref)
         return {
             "version": frame.FORMAT_VERSION,
-            "digest": resolved.manifest.digest,
+            "digest": resolved.digest,
             "records": [as_dict(r.ref()) for r in resolved.records],
             "dependencies": [as_dict(d) for d in resolved.dependencies],
         }
@@ -362,7 +442,7 @@ class ReadSession:
         """Every record's metadata must name the task and attempt (API.md section 5, validate)."""
         if task_id is not None or attempt_id is not None:
             for located in resolved.records:
-                meta = located.entry.metadata
+                meta = located.metadata
                 if (task_id is not None and meta.get("task_id") != task_id) or (
                     attempt_id is not None and meta.get("attempt_id") != attempt_id
                 ):
@@ -418,7 +498,8 @@ class ReadSession:
         self, located: _Located, start: int, stop: int, piece: int | None, sums: list[str]
     ) -> tuple[memoryview, int]:
         """``read_range`` checked against a caller's SHA-256 table of ``piece``-byte pieces."""
-        length = located.entry.length
+        entry = located.entry
+        length = entry.length
         if isinstance(piece, bool) or not isinstance(piece, int) or piece <= 0:
             raise ValueError(f"chunk_bytes must be a positive integer with checksums, got {piece!r}")
         if len(sums) != -(-length // piece):
@@ -429,12 +510,12 @@ class ReadSession:
             return memoryview(b""), 0
         first, last = start // piece, (stop - 1) // piece
         low, high = first * piece, min(length, (last + 1) * piece)
-        data = self._reader.payload_range(located.segment, located.entry, located.chunk, low, high)
+        data = self._reader.payload_range(located.segment, entry, located.chunk, low, high)
         for number in range(first, last + 1):
             part = data[(number - first) * piece : (number + 1 - first) * piece]
             if hashlib.sha256(part).hexdigest() != sums[number]:
                 raise CorruptData(
-                    f"record {located.entry.record_id!r}: bytes of piece {number} ({piece} bytes each) "
+                    f"record {entry.record_id!r}: bytes of piece {number} ({piece} bytes each) "
                     "do not match the caller's checksum"
                 )
         return data[start - low : stop - low], high - low
@@ -474,12 +555,12 @@ class ReadSession:
         there: a tensor loads into its own freshly allocated storage with no intermediate copy.
         """
         located = self.locate(ref)
-        if target.nbytes != located.entry.length:
+        entry = located.entry
+        if target.nbytes != entry.length:
             raise ValueError(
-                f"target holds {target.nbytes} bytes, record {located.entry.record_id!r} has "
-                f"{located.entry.length}"
+                f"target holds {target.nbytes} bytes, record {entry.record_id!r} has {entry.length}"
             )
-        self._reader.payload_into(located.segment, located.entry, located.chunk, target)
+        self._reader.payload_into(located.segment, entry, located.chunk, target)
 
     def read_tensor_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
         """Payload bytes ``start:stop`` in fresh writable memory, reading and verifying only the chunks
@@ -520,11 +601,10 @@ def _share_written(refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manif
     if index is None:
         return
     items = []
-    entries, chunk = index.entries, index.chunk_bytes
     for ref, manifest in zip(refs, manifests, strict=True):
-        records = tuple([_Located(segment, o, entries[o], chunk) for _, o in manifest.records])
+        records = tuple([_Located(segment, o, index) for _, o in manifest.records])
         deps = tuple(ReadSession._dependency(d, segment) for d in manifest.dependencies)
-        items.append((ref, _Resolved(manifest, records, deps)))
+        items.append((set_key(ref), _Resolved(manifest.digest, records, deps)))
     WRITTEN_SETS.put_all(items)
 
 
@@ -544,17 +624,72 @@ def _covered(start: int, stop: int, chunk: int, length: int) -> int:
 # --------------------------------------------------------------------------- writing helpers
 
 
-@dataclass(frozen=True)
 class _Remembered:
-    kind: str
-    fingerprint: str
-    result: Any
+    """A submission's answer kept for retries (I4), in a form the cycle collector skips.
+
+    A store remembers up to SUBMITTED_REFS_REMEMBERED_MAX references; kept as objects, each
+    is a RecordSetRef and a RecordRef, two tracked objects that every full collection walks
+    (some 130k for four workers publishing in batches). Every reference of one answer names
+    the same extent, so it is kept as that SegmentRef and a tuple of plain values per
+    reference (tuples of atoms are untracked by the collector), and rebuilt, equal, on a retry.
+    """
+
+    __slots__ = ("_other", "_rows", "_segment", "_shape", "fingerprint", "kind")
+
+    def __init__(self, kind: str, fingerprint: str, result: Any) -> None:
+        self.kind, self.fingerprint = kind, fingerprint
+        self._shape, self._segment, self._rows, self._other = _compact(result)
+
+    @property
+    def result(self) -> Any:
+        """The answer as the call returned it (fresh containers, equal references)."""
+        shape, segment, rows = self._shape, self._segment, self._rows
+        if segment is None:
+            return self._other
+        if shape == "records":
+            return tuple(RecordRef(segment, ordinal) for ordinal in rows)
+        refs = [_set_ref(segment, rows, at) for at in range(0, len(rows), _SET_ROW)]
+        return refs[0] if shape == "set" else refs
+
+    @property
+    def references(self) -> int:
+        """References the answer holds: a list of them (``publish_many``, ``write_records``) or one."""
+        if self._shape == "other":
+            return len(self._other) if isinstance(self._other, (list, tuple)) else 1
+        return len(self._rows) if self._shape == "records" else len(self._rows) // _SET_ROW
 
 
-def _refs_in(result: Any) -> int:
-    """References a remembered answer holds: a list of them (``publish_many``,
-    ``write_records``) or one."""
-    return len(result) if isinstance(result, (list, tuple)) else 1
+#: Values a remembered set reference keeps, one after another in one flat tuple (a tuple of
+#: tuples is untracked only once a collection met the inner ones first).
+_SET_ROW = 5
+
+
+def _set_ref(segment: SegmentRef, rows: tuple[Any, ...], at: int) -> RecordSetRef:
+    return RecordSetRef(RecordRef(segment, rows[at]), rows[at + 1], rows[at + 2], rows[at + 3], rows[at + 4])
+
+
+def _set_row(ref: RecordSetRef) -> tuple[int, str, int, int, int]:
+    return (ref.manifest.ordinal, ref.digest, ref.records, ref.payload_bytes, ref.tokens)
+
+
+def _compact(result: Any) -> tuple[str, SegmentRef | None, tuple[Any, ...], Any]:
+    """``_Remembered``'s form of an answer: its shape, the extent its references name, a row of
+    plain values per reference; anything else (none yet, references to several extents) as is."""
+    if type(result) is RecordSetRef:
+        return "set", result.manifest.segment, _set_row(result), None
+    if result and type(result) in (list, tuple):
+        first = result[0]
+        if type(result) is list and all(type(r) is RecordSetRef for r in result):
+            segment = first.manifest.segment
+            if all(r.manifest.segment == segment for r in result):
+                return "sets", segment, tuple([x for r in result for x in _set_row(r)]), None
+        if (
+            type(result) is tuple
+            and all(type(r) is RecordRef for r in result)
+            and all(r.segment == first.segment for r in result)
+        ):
+            return "records", first.segment, tuple([r.ordinal for r in result]), None
+    return "other", None, (), result
 
 
 @dataclass(frozen=True)
@@ -675,7 +810,7 @@ class SharedFilesystemStore:
             self._writer.live_note = encode({"online_gc": True})
         self._lock = threading.Lock()
         self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
-        self._remembered_refs = 0  # references the remembered answers hold (``_refs_in``)
+        self._remembered_refs = 0  # references the remembered answers hold (``references``)
         self._pending: _Pending | None = None
         # Staging ends released with defer=True, written with this store's next catalog frame
         # (docs/DURABILITY.md G6.2); guarded by its own lock, taken inside the catalog's.
@@ -1074,15 +1209,15 @@ class SharedFilesystemStore:
         SUBMISSIONS_REMEMBERED_MAX submissions and SUBMITTED_REFS_REMEMBERED_MAX references."""
         known = self._submissions.pop(submission_id, None)
         if known is not None:
-            self._remembered_refs -= _refs_in(known.result)
+            self._remembered_refs -= known.references
         self._submissions[submission_id] = remembered
-        self._remembered_refs += _refs_in(remembered.result)
+        self._remembered_refs += remembered.references
         while len(self._submissions) > 1 and (
             len(self._submissions) > SUBMISSIONS_REMEMBERED_MAX
             or self._remembered_refs > SUBMITTED_REFS_REMEMBERED_MAX
         ):
             _, oldest = self._submissions.popitem(last=False)
-            self._remembered_refs -= _refs_in(oldest.result)
+            self._remembered_refs -= oldest.references
 
     def _account(self, entries: list[Entry], kind: str) -> None:
         data = [e for e in entries if e.codec != frame.MANIFEST_CODEC]
@@ -1227,7 +1362,7 @@ class SharedFilesystemStore:
             if where != (segment.path, segment.offset):
                 outside.setdefault(where, (located.segment, set()))[1].add(located.ordinal)
         for (path, offset), (records_segment, ordinals) in outside.items():
-            if len(ordinals) == len(session.index(records_segment).entries):
+            if len(ordinals) == len(session.index(records_segment)):
                 adoption.items.add((path, offset, RECORDS_ONLY))
 
     @staticmethod

@@ -22,7 +22,7 @@ from straw import Publication, Record, SharedFilesystemStore
 from straw._pack import reader
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, InvalidReference, StorageUnavailable
-from straw.store import WRITTEN_SETS, ReadSession
+from straw.store import WRITTEN_SETS, ReadSession, set_key
 
 RUN = "run"
 
@@ -79,14 +79,14 @@ def test_the_remembered_form_is_the_verified_one(store: SharedFilesystemStore) -
     )
     with _session(store) as session:
         for ref in (base, *refs):
-            remembered = WRITTEN_SETS.get(ref)
+            remembered = WRITTEN_SETS.get(set_key(ref))
             assert remembered is not None
             assert session._verify(ref) == remembered
 
 
 def test_a_damaged_index_frame_is_still_found_by_a_reading_session(store: SharedFilesystemStore) -> None:
     ref = store.publish([Record("a", b"payload")], submission_id="s")
-    assert WRITTEN_SETS.get(ref) is not None
+    assert WRITTEN_SETS.get(set_key(ref)) is not None
     segment = ref.manifest.segment
     _flip(Path(store.backend.root) / segment.path, segment.offset + segment.size - 3)
     with _session(store) as session, pytest.raises(CorruptData):
@@ -112,7 +112,7 @@ def test_a_reference_differing_in_any_field_is_verified_and_refused(
 def test_an_equal_reference_with_a_bool_ordinal_is_refused(store: SharedFilesystemStore) -> None:
     ref = store.publish([Record("a", b"payload")], submission_id="s")
     sneaky = dataclasses.replace(ref, manifest=dataclasses.replace(ref.manifest, ordinal=True))
-    assert sneaky == ref and WRITTEN_SETS.get(sneaky) is not None  # the key matches
+    assert sneaky == ref and WRITTEN_SETS.get(set_key(sneaky)) is not None  # the key matches
     with _session(store) as session, pytest.raises(InvalidReference, match="ordinal"):
         session.resolve(sneaky)
 
@@ -123,7 +123,7 @@ def test_a_set_with_nested_metadata_is_remembered_as_published(
     metadata: dict[str, Any] = {"task_id": "t", "nested": [1, 2]}
     ref = store.publish([Record("a", b"payload", metadata=metadata)], submission_id="s")
     metadata["nested"].append(3)  # the caller's list is not the one remembered
-    assert WRITTEN_SETS.get(ref) is not None
+    assert WRITTEN_SETS.get(set_key(ref)) is not None
     digests[0] = 0
     with _session(store) as session:
         assert session.resolve(ref).records[0].entry.metadata == {"task_id": "t", "nested": [1, 2]}
@@ -135,7 +135,7 @@ def test_a_set_whose_metadata_reads_back_otherwise_is_not_remembered(
 ) -> None:
     metadata: dict[str, Any] = {"task_id": "t", "pair": (1, 2)}  # stored as a list
     ref = store.publish([Record("a", b"payload", metadata=metadata)], submission_id="s")
-    assert WRITTEN_SETS.get(ref) is None
+    assert WRITTEN_SETS.get(set_key(ref)) is None
     digests[0] = 0
     with _session(store) as session:
         assert session.resolve(ref).records[0].entry.metadata == {"task_id": "t", "pair": [1, 2]}
@@ -160,7 +160,7 @@ def test_the_memo_is_bounded(
 def test_a_set_of_another_pool_is_not_vouched_for(tmp_path: Path, store: SharedFilesystemStore) -> None:
     with SharedFilesystemStore(tmp_path / "elsewhere", RUN) as foreign_store:
         foreign = foreign_store.publish([Record("a", b"payload")], submission_id="s")
-    assert WRITTEN_SETS.get(foreign) is not None
+    assert WRITTEN_SETS.get(set_key(foreign)) is not None
     with _session(store) as session, pytest.raises(InvalidReference, match="different storage"):
         session.resolve(foreign)
 
@@ -182,7 +182,7 @@ def test_a_retain_of_data_deleted_outside_collection_is_refused_and_records_noth
     with SharedFilesystemStore(store.backend.root, RUN) as other:  # another writer: another pack
         kept = other.publish([Record("kept", b"k")], submission_id="kept")
     ref = store.publish([Record("a", b"payload")], submission_id="s")
-    assert WRITTEN_SETS.get(ref) is not None
+    assert WRITTEN_SETS.get(set_key(ref)) is not None
     (Path(store.backend.root) / ref.manifest.segment.path).unlink()
     with pytest.raises(StorageUnavailable, match="holding this record set no longer exists"):
         store.retain("keeper", [kept, ref])

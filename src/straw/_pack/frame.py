@@ -191,13 +191,108 @@ class IndexEntry:
     inline: dict[str, Any] | None = None
 
 
-@dataclass(frozen=True)
-class Index:
-    """A decoded index frame: every record of one durable write."""
+#: One index entry as an :class:`Index` keeps it, one flat tuple of plain values:
+#: ``(record_id, codec, tokens, offset, length, content, chunks, inline, meta, *pairs)``.
+#: ``inline`` is an inline manifest's canonical JSON bytes (or None). When every metadata value
+#: is a JSON scalar, ``meta`` is None and the keys and values follow as ``k1, v1, k2, v2, ...``;
+#: otherwise ``meta`` is the metadata's canonical JSON bytes. A collection untracks a tuple
+#: whose items are all untracked: strings, numbers, bytes, but not a dict, not even an empty
+#: one (CPython's ``_PyTuple_MaybeUntrack``), and a tuple nested in it only once a pass has
+#: met the inner one first, hence one flat tuple per entry.
+Row = tuple[Any, ...]
 
-    submission_id: str
-    chunk_bytes: int
-    entries: tuple[IndexEntry, ...]
+_SCALARS = (str, int, float, bool, type(None))
+_META = 8  # where a row's ``meta`` is; its pairs follow
+
+
+def _row(
+    record_id: str, codec: str, metadata: dict[str, Any], tokens: int, offset: int, length: int,
+    content: str, chunks: str, inline: bytes | None,
+) -> Row:  # fmt: skip
+    head = (record_id, codec, tokens, offset, length, content, chunks, inline)
+    if all(type(v) in _SCALARS for v in metadata.values()):
+        return (*head, None, *[x for pair in metadata.items() for x in pair])
+    return (*head, encode(metadata))
+
+
+def _entry_row(entry: IndexEntry) -> Row:
+    inline = None if entry.inline is None else encode(entry.inline)
+    return _row(entry.record_id, entry.codec, entry.metadata, entry.tokens, entry.offset, entry.length,
+                entry.content, entry.chunks, inline)  # fmt: skip
+
+
+def _row_metadata(row: Row) -> dict[str, Any]:
+    meta = row[_META]
+    if meta is None:
+        return dict(zip(row[_META + 1 :: 2], row[_META + 2 :: 2], strict=True))
+    return dict(decode(meta))
+
+
+class Index:
+    """A decoded index frame: every record of one durable write.
+
+    Parsed index frames are cached by the thousand (``reader.SHARED_INDEXES``, every reader's
+    own cache): kept as IndexEntry objects with their metadata and inline manifests, each
+    entry is up to six objects that every full cycle collection walks (the collector's
+    longest pauses, issue 12). So an index keeps one :data:`Row` of plain values per entry,
+    which the collector untracks, and :meth:`entry` builds the IndexEntry when one is asked
+    for (metadata that nests containers and inline manifests are decoded then, each time).
+    """
+
+    __slots__ = ("chunk_bytes", "rows", "submission_id")
+
+    def __init__(self, submission_id: str, chunk_bytes: int, entries: Sequence[IndexEntry]) -> None:
+        self.submission_id = submission_id
+        self.chunk_bytes = chunk_bytes
+        self.rows: tuple[Row, ...] = tuple([_entry_row(e) for e in entries])
+
+    @classmethod
+    def of_rows(cls, submission_id: str, chunk_bytes: int, rows: tuple[Row, ...]) -> Index:
+        index = cls.__new__(cls)
+        index.submission_id, index.chunk_bytes, index.rows = submission_id, chunk_bytes, rows
+        return index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def entry(self, ordinal: int) -> IndexEntry:
+        """Entry ``ordinal`` (0 <= ordinal < len(self)), built afresh from its row."""
+        row = self.rows[ordinal]
+        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_META]
+        return IndexEntry(
+            record_id,
+            codec,
+            _row_metadata(row),
+            tokens,
+            offset,
+            length,
+            content,
+            chunks,
+            None if inline is None else decode(inline),
+        )
+
+    def metadata(self, ordinal: int) -> dict[str, Any]:
+        """Entry ``ordinal``'s metadata alone, built afresh."""
+        return _row_metadata(self.rows[ordinal])
+
+    @property
+    def entries(self) -> tuple[IndexEntry, ...]:
+        """Every entry, built afresh (a walk over the whole frame: inspection, tests)."""
+        return tuple([self.entry(i) for i in range(len(self.rows))])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Index):
+            return NotImplemented
+        return (self.submission_id, self.chunk_bytes, self.rows) == (
+            other.submission_id,
+            other.chunk_bytes,
+            other.rows,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Index({self.submission_id!r}, chunk_bytes={self.chunk_bytes}, entries={len(self)})"
 
 
 def index_body(submission_id: str, entries: Sequence[IndexEntry], chunk: int = CHUNK_BYTES) -> dict[str, Any]:
@@ -290,14 +385,14 @@ def parse_index(body: object, body_bytes: int = INDEX_BYTES_MAX) -> Index:
     records = _get(body, "records", list, "index")
     if chunk <= 0 or chunk % 4096 or len(records) > RECORDS_PER_WRITE_MAX:
         raise CorruptData("index: chunk size or record count out of range")
-    entries = tuple(_parse_entry(item, chunk, body_bytes) for item in records)
+    rows = tuple([_parse_entry(item, chunk, body_bytes) for item in records])
     submission = _get(body, "sub", str, "index")
     if len(submission) > SUBMISSION_ID_BYTES_MAX:
         raise CorruptData("index: submission id longer than the format allows")
-    return Index(submission, chunk, entries)
+    return Index.of_rows(submission, chunk, rows)
 
 
-def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
+def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
     if type(item) is not dict:
         raise CorruptData("index record is not an object")
     record_id, codec = item.get("id"), item.get("codec")
@@ -307,7 +402,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
     if inline is not None:
         if codec != MANIFEST_CODEC or type(inline) is not dict:
             raise CorruptData(f"index record {record_id!r}: only manifests are stored inline")
-        return inline_entry(record_id, inline)
+        return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(inline), None)
     meta, tokens, offset, length = item.get("meta"), item.get("tokens"), item.get("off"), item.get("len")
     content, chunks = item.get("hash"), item.get("chunks")
     if (
@@ -330,7 +425,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> IndexEntry:
         raise CorruptData(f"index record {record_id!r}: malformed content hash")
     if len(chunks) != 16 * chunk_count(length, chunk) or not _HEX.fullmatch(chunks):
         raise CorruptData(f"index record {record_id!r}: chunk checksum table does not match its length")
-    return IndexEntry(record_id, codec, meta, tokens, offset, length, content, chunks)
+    return _row(record_id, codec, meta, tokens, offset, length, content, chunks, None)
 
 
 # --------------------------------------------------------------------------- manifest

@@ -25,9 +25,11 @@ from ..errors import CorruptData, InvalidReference, StorageUnavailable, Unsuppor
 from ..limits import (
     CHUNK_BYTES,
     INDEX_BYTES_MAX,
+    INDEX_CACHE_ENTRIES_MAX,
     OPEN_PACKS_MAX,
     PACK_BYTES_MAX,
     READ_MAPPING_BYTES_MIN,
+    SHARED_INDEX_ENTRIES_MAX,
     WRITERS_CACHED_MAX,
 )
 from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
@@ -37,13 +39,6 @@ from . import frame
 WRITER_NAME = re.compile(r"[0-9a-f]{32}")
 PACK_NAME = re.compile(r"[0-9a-f]{32}\.(pack|seg)")
 _PATH = re.compile(r"raw/([0-9a-f]{32})/([0-9a-f]{32})\.(pack|seg)")
-#: Index entries (records and manifests) of the parsed index frames one reader keeps, most
-#: recently used last: counted in entries, not frames, as SHARED_INDEX_ENTRIES_MAX is.
-INDEX_CACHE_ENTRIES_MAX = 16384
-#: Index entries (records and manifests) of the index frames shared by every reader of the
-#: process (``SHARED_INDEXES``): counted in entries, not frames, since one ``publish_many``
-#: frame may hold thousands (at about 1 KB each in memory, this is some 16 MiB).
-SHARED_INDEX_ENTRIES_MAX = 16384
 
 
 K = TypeVar("K")
@@ -52,7 +47,7 @@ V = TypeVar("V")
 
 def _index_weight(index: frame.Index) -> int:
     """What a parsed index frame weighs in the caches bounded in entries (at least 1)."""
-    return max(1, len(index.entries))
+    return max(1, len(index))
 
 
 class Bounded(Generic[K, V]):
@@ -342,7 +337,8 @@ class PackReader:
             return cached
         shared = SHARED_INDEXES.get(segment) if self.shared else None
         if shared is not None:
-            self._indexes.put(key, shared)
+            # Not copied into this reader's cache: the shared one keeps it as long as it is in
+            # use somewhere, and a copy per validating thread kept some 16k entries each alive.
             return shared
 
         def check(data: bytes | bytearray) -> frame.Index:

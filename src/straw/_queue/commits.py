@@ -8,7 +8,9 @@ checksum algorithm follow from the queue and the path unless the row says otherw
 Loading a snapshot keeps those rows as they are: a receipt dict is built only when a
 position is read (``read_commits``, a retried completion), which keeps recovery time and
 memory proportional to what is used, not to the whole history. Receipts accepted after
-the load are kept as dicts.
+the load are kept as flat tuples of their values (``_flat``), which the cycle collector
+untracks, where a receipt dict with its nested reference was three tracked dicts (issue 12:
+every full collection walked each receipt accepted since the last snapshot).
 """
 
 from __future__ import annotations
@@ -26,6 +28,64 @@ _FORMAT_VERSION = 1
 _SUBMISSION = 2
 _SLOT = 4
 
+#: A result reference's segment fields, in the order a flat receipt keeps them.
+_SEGMENT_FIELDS = (
+    "run_id",
+    "path",
+    "segment_id",
+    "size",
+    "checksum",
+    "version",
+    "checksum_algorithm",
+    "offset",
+)
+#: Flat receipt layout (a receipt accepted since the load): commit id, task id, submission id,
+#: digest, the segment's fields (``_SEGMENT_FIELDS``), manifest ordinal, the reference's
+#: digest, records, payload bytes, tokens.
+_FLAT_PATH = 5
+_FLAT_REF = 4 + len(_SEGMENT_FIELDS)
+
+
+def _flat(receipt: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
+    """A receipt as one tuple of plain values; one of another shape is kept as it is."""
+    ref = receipt["result_ref"]
+    try:
+        manifest = ref["manifest"]
+        segment = manifest["segment"]
+        if len(segment) != len(_SEGMENT_FIELDS) or (len(receipt), len(ref), len(manifest)) != (6, 5, 2):
+            return receipt
+        values = tuple([segment[name] for name in _SEGMENT_FIELDS])
+        return (
+            receipt["commit_id"], receipt["task_id"], receipt["submission_id"], receipt["digest"],
+            *values, manifest["ordinal"], ref["digest"], ref["records"], ref["payload_bytes"], ref["tokens"],
+        )  # fmt: skip
+    except (KeyError, TypeError):
+        return receipt
+
+
+def _unflat(row: tuple[Any, ...] | dict[str, Any], position: int) -> dict[str, Any]:
+    """The receipt dict of a flat receipt (built afresh), or the kept dict itself."""
+    if isinstance(row, dict):
+        return row
+    ordinal, ref_digest, records, size, tokens = row[_FLAT_REF:]
+    return {
+        "commit_id": row[0],
+        "task_id": row[1],
+        "submission_id": row[2],
+        "digest": row[3],
+        "position": position,
+        "result_ref": {
+            "manifest": {
+                "segment": dict(zip(_SEGMENT_FIELDS, row[4:_FLAT_REF], strict=True)),
+                "ordinal": ordinal,
+            },
+            "digest": ref_digest,
+            "records": records,
+            "payload_bytes": size,
+            "tokens": tokens,
+        },
+    }
+
 
 class CommitLog:
     """Receipts in position order: loaded rows first, then receipts appended since."""
@@ -34,8 +94,9 @@ class CommitLog:
         self._run_id = run_id
         self._paths: list[str] = list(packed["paths"]) if packed else []
         self._segments: list[list[Any]] = list(packed["segments"]) if packed else []
-        self._rows: list[list[Any]] = list(packed["rows"]) if packed else []
-        self._new: list[dict[str, Any]] = []
+        # Rows as tuples: a collection untracks them (lists from JSON stay tracked for good).
+        self._rows: list[tuple[Any, ...]] = [tuple(row) for row in packed["rows"]] if packed else []
+        self._new: list[tuple[Any, ...] | dict[str, Any]] = []  # see ``_flat``
         #: Positions below ``base`` moved to history files (docs/FORMAT.md 8.4): ``history``
         #: reads such receipts back, a run of positions ``start .. stop - 1`` at a time.
         self.base: int = int(packed.get("base", 0)) if packed else 0
@@ -57,8 +118,11 @@ class CommitLog:
         if isinstance(position, slice):
             start, stop, step = position.indices(len(self))
             loaded = self.base + len(self._rows)
-            if step == 1 and start >= loaded:
-                return self._new[start - loaded : max(start, stop) - loaded]  # no loaded rows: a plain slice
+            if step == 1 and start >= loaded:  # no loaded rows
+                return [
+                    _unflat(row, p)
+                    for p, row in enumerate(self._new[start - loaded : max(start, stop) - loaded], start)
+                ]
             if step == 1 and start < min(stop, self.base):
                 cut = min(stop, self.base)  # the part on disk in one read, then the rest
                 return self._from_history(start, cut) + [self._receipt(p) for p in range(cut, stop)]
@@ -73,14 +137,15 @@ class CommitLog:
         return (self._receipt(p) for p in range(len(self)))
 
     def append(self, receipt: dict[str, Any]) -> None:
-        self._new.append(receipt)
+        invariant(receipt["position"] == len(self), "a receipt is appended at its position")
+        self._new.append(_flat(receipt))
 
     def submissions(self) -> dict[str, int]:
         """Submission id -> position (of those in memory), without building receipts."""
         out = {row[_SUBMISSION]: p for p, row in enumerate(self._rows, self.base)}
         base = self.base + len(self._rows)
-        for offset, receipt in enumerate(self._new):
-            out[receipt["submission_id"]] = base + offset
+        for offset, row in enumerate(self._new):
+            out[row["submission_id"] if isinstance(row, dict) else row[_SUBMISSION]] = base + offset
         return out
 
     def result_path(self, position: int) -> str:
@@ -89,13 +154,19 @@ class CommitLog:
         invariant(position >= 0, "the result's receipt is in memory")
         if position < len(self._rows):
             return self._paths[self._segments[self._rows[position][_SLOT]][0]]
-        return str(self._new[position - len(self._rows)]["result_ref"]["manifest"]["segment"]["path"])
+        row = self._new[position - len(self._rows)]
+        return str(
+            row["result_ref"]["manifest"]["segment"]["path"] if isinstance(row, dict) else row[_FLAT_PATH]
+        )
 
     def submission_ids(self, stop: int) -> list[str]:
         """Submission ids of the positions from ``base`` to ``stop`` (in memory)."""
         count = stop - self.base
         out = [row[_SUBMISSION] for row in self._rows[:count]]
-        out += [c["submission_id"] for c in self._new[: max(0, count - len(self._rows))]]
+        out += [
+            c["submission_id"] if isinstance(c, dict) else c[_SUBMISSION]
+            for c in self._new[: max(0, count - len(self._rows))]
+        ]
         return out
 
     def drop_below(self, cut: int) -> None:
@@ -124,8 +195,9 @@ class CommitLog:
         path_slots = {path: slot for slot, path in enumerate(paths)}
         segments = list(self._segments)
         slots = {(row[0], row[3]): slot for slot, row in enumerate(segments)}
-        rows = list(self._rows)
-        for c in self._new:
+        rows: list[Any] = list(self._rows)
+        for p, row in enumerate(self._new, self.base + len(self._rows)):
+            c = _unflat(row, p)
             ref = c["result_ref"]
             segment = ref["manifest"]["segment"]
             path = segment["path"]
@@ -139,7 +211,7 @@ class CommitLog:
                 slot = slots[key] = len(segments)
                 segments.append(_segment_row(segment, path_slot, run_id))
             rows.append(
-                [
+                (
                     c["commit_id"],
                     c["task_id"],
                     c["submission_id"],
@@ -150,16 +222,16 @@ class CommitLog:
                     ref["records"],
                     ref["payload_bytes"],
                     ref["tokens"],
-                ]
+                )
             )
-        return {"paths": paths, "segments": segments, "rows": rows, "base": self.base}
+        return {"paths": paths, "segments": segments, "rows": [list(row) for row in rows], "base": self.base}
 
     def _receipt(self, position: int) -> dict[str, Any]:
         at = position - self.base
         if at < 0:
             return self._from_history(position, position + 1)[0]
         if at >= len(self._rows):
-            return self._new[at - len(self._rows)]
+            return _unflat(self._new[at - len(self._rows)], position)
         commit_id, task_id, submission_id, commit_digest, slot, ordinal, ref_digest, records, size, tokens = (
             self._rows[at]
         )

@@ -22,7 +22,7 @@ import bisect
 import struct
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import xxhash
 
@@ -79,11 +79,45 @@ def _row_hash(data: bytes | bytearray) -> int:
     return int(xxhash.xxh3_64_intdigest(bytes(data)))
 
 
+class Rows(Protocol):
+    """Rows of a history file with their keys, built only when asked for: a file's rows are
+    encoded a block at a time, so the rows of a block die young instead of piling up (as
+    tens of thousands of lists and dicts) for a cycle collection to walk (issue 12)."""
+
+    def __len__(self) -> int: ...
+
+    def key(self, at: int) -> str: ...
+
+    def rows(self, ats: Sequence[int]) -> list[Any]: ...
+
+
+class Pairs:
+    """:class:`Rows` over ``(key, row)`` pairs already in memory."""
+
+    def __init__(self, pairs: Sequence[tuple[str, Any]]) -> None:
+        self._pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def key(self, at: int) -> str:
+        return self._pairs[at][0]
+
+    def rows(self, ats: Sequence[int]) -> list[Any]:
+        return [self._pairs[at][1] for at in ats]
+
+
+def _rows(given: Rows | Sequence[tuple[str, Any]]) -> Rows:
+    if isinstance(given, (list, tuple)):
+        return Pairs(given)
+    return cast(Rows, given)
+
+
 def build(
     seq: int,
     first: int,
-    tasks: Sequence[tuple[str, Any]],
-    receipts: Sequence[tuple[str, Any]],
+    tasks: Rows | Sequence[tuple[str, Any]],
+    receipts: Rows | Sequence[tuple[str, Any]],
     meta: dict[str, Any],
     requests: Sequence[tuple[str, Any]] | None = None,
 ) -> tuple[list[bytes], int]:
@@ -92,35 +126,39 @@ def build(
     ``tasks`` are (task id, row); ``receipts`` are (submission id, row) for the accepted
     positions ``first``, ``first + 1``, ... in order; ``meta`` is the file's summary row;
     ``requests`` are (request id, row). With ``requests`` None the file is version 1 (which
-    holds no requests: golden bytes and tests of older files); otherwise version 2.
+    holds no requests: golden bytes and tests of older files); otherwise version 2. Tasks
+    and receipts may also come as :class:`Rows`, built a block at a time.
     """
     version = 1 if requests is None else VERSION
     header = HEADER.pack(MAGIC, version, 0, seq, first)
     blocks: list[bytes] = []
     offset = len(header)
 
-    def put(values: Sequence[Any]) -> list[bytes]:
+    def put(values: Rows, order: Sequence[int]) -> list[bytes]:
         """Rows in blocks of HISTORY_BLOCK_ROWS, each block compressed: the entries of the rows."""
         nonlocal offset
         entries = []
-        for start in range(0, len(values), HISTORY_BLOCK_ROWS):
-            chunk = values[start : start + HISTORY_BLOCK_ROWS]
-            data = zlib.compress(encode(list(chunk)), 1)
+        for start in range(0, len(order), HISTORY_BLOCK_ROWS):
+            chunk = values.rows(order[start : start + HISTORY_BLOCK_ROWS])
+            data = zlib.compress(encode(chunk), 1)
             blocks.append(data)
             checksum = _row_hash(data)
             entries += [ENTRY.pack(offset, len(data), k, checksum) for k in range(len(chunk))]
             offset += len(data)
         return entries
 
-    hashed = sorted(((key_hash(task_id), row) for task_id, row in tasks), key=lambda item: item[0])
-    task_index = list(zip([h for h, _ in hashed], put([row for _, row in hashed]), strict=True))
-    position_entries = put([row for _, row in receipts])
-    sub_index = sorted((key_hash(sub), first + k) for k, (sub, _) in enumerate(receipts))
-    hashed_requests = sorted(((key_hash(rid), row) for rid, row in requests or ()), key=lambda item: item[0])
-    request_index = list(
-        zip([h for h, _ in hashed_requests], put([row for _, row in hashed_requests]), strict=True)
-    )
-    (meta_entry,) = put([meta])
+    def hashed(values: Rows) -> list[tuple[int, bytes]]:
+        """(key hash, entry) of every row, in hash order (the order of the rows in the file)."""
+        hashes = [key_hash(values.key(at)) for at in range(len(values))]
+        order = sorted(range(len(values)), key=hashes.__getitem__)
+        return list(zip([hashes[at] for at in order], put(values, order), strict=True))
+
+    task_rows, receipt_rows = _rows(tasks), _rows(receipts)
+    task_index = hashed(task_rows)
+    position_entries = put(receipt_rows, range(len(receipt_rows)))
+    sub_index = sorted((key_hash(receipt_rows.key(k)), first + k) for k in range(len(receipt_rows)))
+    request_index = hashed(Pairs(requests or ()))
+    (meta_entry,) = put(Pairs([("", meta)]), [0])
     index_at = offset
     parts = [
         array.array("Q", [h for h, _ in task_index]).tobytes(),

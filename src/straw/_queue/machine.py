@@ -160,7 +160,8 @@ class QueueState:
     commits: CommitLog = field(default_factory=CommitLog)
     commit_workers: list[str] = field(default_factory=list)
     #: Packs each accepted result reaches (known when it was validated), so GC roots need no I/O.
-    commit_packs: list[list[str]] = field(default_factory=list)
+    #: Tuples, which a collection untracks (a list per receipt stays tracked for good).
+    commit_packs: list[tuple[str, ...]] = field(default_factory=list)
     producers: dict[str, Any] = field(default_factory=dict)
     reads: dict[tuple[str, str], Lease] = field(default_factory=dict)
     #: Inputs each outstanding read was granted (and later given by save_task_progress): the
@@ -212,8 +213,8 @@ class QueueState:
 
     def packs_at(self, position: int) -> list[str]:
         base = self.commits.base
-        return (
-            list(self.history.receipt(position)[2]) if position < base else self.commit_packs[position - base]
+        return list(
+            self.history.receipt(position)[2] if position < base else self.commit_packs[position - base]
         )
 
     def spillable(self) -> tuple[list[Task], int]:
@@ -222,10 +223,9 @@ class QueueState:
         done = [t for t in self.tasks.values() if t.state in (COMPLETED, FAILED, CANCELLED)]
         return done, len(self.commits)
 
-    def spill_rows(self, tasks: Sequence[Task], stop: int) -> tuple[list[Any], list[Any], dict[str, Any]]:
-        """The rows of a history file for ``tasks`` and positions ``commits.base .. stop - 1``."""
-        task_rows = [(t.spec.task_id, task_row(t, self)) for t in tasks]
-        receipts = []
+    def spill_rows(self, tasks: Sequence[Task], stop: int) -> tuple[_TaskRows, _ReceiptRows, dict[str, Any]]:
+        """The rows of a history file for ``tasks`` and positions ``commits.base .. stop - 1``:
+        rows built a block at a time when the file is (``history.Rows``), and the file's meta row."""
         workers: dict[str, list[int]] = {}
         packs: dict[str, list[int]] = {}
         unknown: list[int] = []
@@ -233,7 +233,6 @@ class QueueState:
         for position in range(self.commits.base, stop):
             receipt = self.commits[position]
             worker, reached = self.worker_at(position), self.packs_at(position)
-            receipts.append((receipt["submission_id"], [receipt, worker, reached]))
             workers.setdefault(worker, []).append(position)
             for pack in reached:
                 packs.setdefault(pack, []).append(position)
@@ -247,7 +246,7 @@ class QueueState:
         for task in tasks:
             counts[task.state] = counts.get(task.state, 0) + 1
         meta = {"workers": workers, "packs": packs, "unknown": unknown, "totals": totals, "counts": counts}
-        return task_rows, receipts, meta
+        return _TaskRows(self, tasks), _ReceiptRows(self, stop), meta
 
     def spill_requests(self) -> list[tuple[str, list[Any]]]:
         """Request rows for a history file: every request id in memory (an answer never changes
@@ -758,7 +757,7 @@ class QueueState:
         }
         self.commits.append(receipt)
         self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
-        self.commit_packs.append(list(event.packs or ()))
+        self.commit_packs.append(tuple(event.packs or ()))
         self.submissions[event.submission_id] = receipt["position"]
         self._prune_expiry()
         return receipt
@@ -1317,7 +1316,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "commit_workers": state.commit_workers,
         # A result that lives in one pack (the usual case) reaches just its manifest's pack: 0.
         "commit_packs": [
-            0 if packs == [state.commits.result_path(position)] else packs
+            0 if packs == (state.commits.result_path(position),) else list(packs)
             for position, packs in enumerate(state.commit_packs, state.commits.base)
         ],
         "producers": state.producers,
@@ -1329,6 +1328,43 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "ref_packs": state.ref_packs,
         "history": state.history.describe(),
     }
+
+
+class _TaskRows:
+    """Terminal tasks as history file rows (``history.Rows``), each built when its block is."""
+
+    def __init__(self, state: QueueState, tasks: Sequence[Task]) -> None:
+        self._state, self._tasks = state, tasks
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def key(self, at: int) -> str:
+        return self._tasks[at].spec.task_id
+
+    def rows(self, ats: Sequence[int]) -> list[Any]:
+        return [task_row(self._tasks[at], self._state) for at in ats]
+
+
+class _ReceiptRows:
+    """Accepted positions ``commits.base .. stop - 1`` as history file rows (``history.Rows``):
+    ``[receipt, worker, packs reached]``, each built when its block is."""
+
+    def __init__(self, state: QueueState, stop: int) -> None:
+        self._state, self._base = state, state.commits.base
+        self._ids = state.commits.submission_ids(stop)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def key(self, at: int) -> str:
+        return self._ids[at]
+
+    def rows(self, ats: Sequence[int]) -> list[Any]:
+        state, base = self._state, self._base
+        return [
+            [state.commits[base + at], state.worker_at(base + at), state.packs_at(base + at)] for at in ats
+        ]
 
 
 def task_row(task: Task, state: QueueState) -> list[Any]:
@@ -1464,7 +1500,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
     state.commits = CommitLog.unpack(data["commits"], state.run_id)
     state.commit_workers = list(data["commit_workers"])
     state.commit_packs = [
-        [state.commits.result_path(position)] if packs == 0 else list(packs)
+        (state.commits.result_path(position),) if packs == 0 else tuple(packs)
         for position, packs in enumerate(data["commit_packs"], state.commits.base)
     ]
     invariant(

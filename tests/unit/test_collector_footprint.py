@@ -1,0 +1,251 @@
+"""What long-lived caches and queue state cost the cycle collector (issue 12).
+
+A full collection walks every object the collector tracks, with every thread of the process
+stopped meanwhile; the store's bounded caches once held some 400k such objects at a million
+tasks, and each full pass took hundreds of milliseconds. These tests pin the forms that
+keep them out of its sight: rows of plain values (tuples of atoms, which a collection
+untracks), one object per remembered set or answer, and bounds that hold. No timings.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import straw.store as store_module
+from straw import Publication, Record, SharedFilesystemStore
+from straw._pack import frame, reader
+from straw._queue.commits import CommitLog
+from straw.protocol import encode, encode_pieces
+from straw.store import WRITTEN_SETS, set_key
+
+RUN = "run"
+
+
+@pytest.fixture(autouse=True)
+def _empty_caches() -> Iterator[None]:
+    WRITTEN_SETS.clear()
+    reader.SHARED_INDEXES.clear()
+    yield
+    WRITTEN_SETS.clear()
+    reader.SHARED_INDEXES.clear()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
+    with SharedFilesystemStore(tmp_path / "pool", RUN) as opened:
+        yield opened
+
+
+def _untracked(value: Any) -> bool:
+    """Whether collections stop tracking ``value``: each pass untracks a tuple whose items are
+    untracked already, in the order it meets them, so a tuple of tuples may need two."""
+    gc.collect()
+    gc.collect()
+    return not gc.is_tracked(value)
+
+
+def _batch(store: SharedFilesystemStore, name: str, count: int = 8) -> list[Any]:
+    return store.publish_many(
+        [
+            Publication(
+                (Record(f"r{k}", f"{name}-{k}".encode(), metadata={"task_id": f"t{k}", "n": k, "ok": True}),)
+            )
+            for k in range(count)
+        ],
+        submission_id=name,
+    )
+
+
+def test_an_index_keeps_its_entries_as_untracked_rows(store: SharedFilesystemStore) -> None:
+    refs = _batch(store, "b")
+    nested = store.publish([Record("x", b"x", metadata={"deep": [1, {"a": 2}]})], submission_id="n")
+    for ref in (refs[0], nested):
+        index = reader.SHARED_INDEXES.get(ref.manifest.segment)
+        assert index is not None
+        assert _untracked(index.rows) and all(_untracked(row) for row in index.rows)
+    # The entries built from the rows are what the frame says, metadata as published.
+    with store.read_session() as session:
+        parsed = session.index(nested.manifest.segment)
+        assert parsed == reader.SHARED_INDEXES.get(nested.manifest.segment)
+        assert _untracked(parsed.rows)
+        assert parsed.entry(0).metadata == {"deep": [1, {"a": 2}]}
+        assert session.index(refs[0].manifest.segment).entry(0).metadata == {
+            "task_id": "t0",
+            "n": 0,
+            "ok": True,
+        }
+        assert [r.metadata for r in session.read(refs[3])] == [{"task_id": "t3", "n": 3, "ok": True}]
+
+
+def test_entries_are_built_afresh_so_a_caller_cannot_change_the_cache(store: SharedFilesystemStore) -> None:
+    (ref,) = _batch(store, "b", 1)
+    index = reader.SHARED_INDEXES.get(ref.manifest.segment)
+    assert index is not None
+    index.entry(0).metadata["task_id"] = "changed"
+    index.metadata(0)["n"] = 99
+    assert index.entry(0).metadata == {"task_id": "t0", "n": 0, "ok": True}
+
+
+def test_a_written_set_is_one_tracked_object_and_resolves_as_verified(store: SharedFilesystemStore) -> None:
+    refs = _batch(store, "b")
+    remembered = WRITTEN_SETS.get(set_key(refs[2]))
+    assert remembered is not None
+    assert _untracked(set_key(refs[2])) and _untracked(remembered._ordinals)
+    assert remembered._records is None  # compact: its records share one extent
+    with store.read_session() as session:
+        assert session._verify(refs[2]) == remembered
+        assert [located.metadata for located in remembered.records] == [{"task_id": "t2", "n": 2, "ok": True}]
+
+
+def test_remembered_answers_are_untracked_rows_rebuilt_equal(store: SharedFilesystemStore) -> None:
+    refs = _batch(store, "b")
+    single = store.publish([Record("s", b"s")], submission_id="one")
+    records = store.write_records([Record("w", b"w"), Record("v", b"v")], submission_id="w")
+    for name, answer in (("b", refs), ("one", (single,)), ("w", records)):
+        kept = store._submissions[name]
+        assert _untracked(kept._rows)
+        got = kept.result  # publish_many's list, which the public call returns as a tuple
+        assert (tuple(got) if isinstance(got, list) else got) == answer and got is not answer
+    assert (
+        store.publish_many(
+            [
+                Publication(
+                    (Record(f"r{k}", f"b-{k}".encode(), metadata={"task_id": f"t{k}", "n": k, "ok": True}),)
+                )
+                for k in range(8)
+            ],
+            submission_id="b",
+        )
+        == refs
+    )
+    assert store._remembered_refs == 8 + 1 + 2
+
+
+def test_a_validating_reader_keeps_shared_indexes_out_of_its_own_cache(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reader, "SHARED_INDEX_ENTRIES_MAX", 40)
+    batches = [_batch(store, f"b{n}") for n in range(6)]  # 16 entries per frame
+    shared = reader.SHARED_INDEXES._items
+    assert shared._total == 32  # the two newest frames
+    for refs in batches[-2:]:
+        store.reach(refs)
+    validator = store._session(shared=True)._reader
+    assert validator._indexes._total == 0  # served from the shared cache, not copied
+    store.reach(batches[0])  # evicted there: read back, kept by this reader (and shared again)
+    assert validator._indexes._total == 16 and shared._total == 32
+
+
+def _receipt(position: int) -> dict[str, Any]:
+    path = f"raw/{'a' * 32}/{'1' * 32}.pack"
+    return {
+        "commit_id": f"c{position}",
+        "task_id": f"t{position}",
+        "submission_id": f"s{position}",
+        "digest": f"{position:064x}",
+        "position": position,
+        "result_ref": {
+            "manifest": {
+                "segment": {
+                    "run_id": RUN,
+                    "path": path,
+                    "segment_id": "1" * 32,
+                    "size": 300,
+                    "checksum": "0" * 32,
+                    "version": 1,
+                    "checksum_algorithm": "xxh3-128",
+                    "offset": 64 * position,
+                },
+                "ordinal": 1,
+            },
+            "digest": f"{position:064x}",
+            "records": 1,
+            "payload_bytes": 64,
+            "tokens": 0,
+        },
+    }
+
+
+def test_receipts_accepted_since_the_load_are_untracked_rows() -> None:
+    log = CommitLog(RUN)
+    for position in range(5):
+        log.append(_receipt(position))
+    assert all(_untracked(row) for row in log._new)
+    assert list(log) == [_receipt(p) for p in range(5)]
+    log[0]["task_id"] = "changed"  # a receipt read is a copy
+    assert log[0] == _receipt(0)
+    reloaded = CommitLog.unpack(log.pack(RUN), RUN)
+    assert list(reloaded) == list(log) and all(_untracked(row) for row in reloaded._rows)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=8) | st.dictionaries(st.text(max_size=4), inner, max_size=8),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_json, items=st.integers(min_value=1, max_value=5))
+def test_encoding_in_pieces_gives_the_canonical_bytes(value: Any, items: int) -> None:
+    assert b"".join(encode_pieces(value, items)) == encode(value)
+
+
+def test_a_snapshot_body_is_encoded_a_bounded_number_of_items_per_call() -> None:
+    body = {"tasks": [[f"t{k}", k] for k in range(5000)], "ref_packs": {f"k{k}": 0 for k in range(3000)}}
+    pieces = encode_pieces(body, 1000)
+    assert b"".join(pieces) == encode(body)
+    assert len(pieces) >= 5 + 3
+
+
+def test_index_rows_and_entries_round_trip_through_a_frame() -> None:
+    entries = [
+        frame.IndexEntry("a", "bytes.v1", {"k": "v", "n": 1.5}, 2, 100, 3, "0" * 32, "0" * 16),
+        frame.IndexEntry("b", "bytes.v1", {"nested": {"x": [1]}}, 0, 200, 0, "1" * 32, ""),
+        frame.inline_entry("m", {"v": 1, "digest": "d", "records": [[-1, 0]], "segments": [], "deps": []}),
+    ]
+    index = frame.Index("sub", frame.CHUNK_BYTES, entries)
+    assert index.entries == tuple(entries) and len(index) == 3
+    body = frame.index_body("sub", entries)
+    assert frame.parse_index(body) == index
+    assert store_module._Located is not None  # the store builds its located records from these rows
+
+
+class _CountingRows:
+    """``history.Rows`` that records how many rows each request builds."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs, self.asked = pairs, []
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def key(self, at: int) -> str:
+        return self.pairs[at][0]
+
+    def rows(self, ats: Any) -> list[Any]:
+        self.asked.append(len(ats))
+        return [self.pairs[at][1] for at in ats]
+
+
+def test_a_history_file_is_built_a_block_of_rows_at_a_time() -> None:
+    from straw._queue import history
+    from straw.limits import HISTORY_BLOCK_ROWS
+
+    tasks = [(f"t{k}", [f"t{k}", {"n": k}]) for k in range(300)]
+    receipts = [(f"s{k}", [{"submission_id": f"s{k}"}, "w", []]) for k in range(200)]
+    requests = [("r1", ["r1", "x", "y"])]
+    meta = {"counts": {"completed": 300}}
+    lazy_tasks, lazy_receipts = _CountingRows(tasks), _CountingRows(receipts)
+    assert history.build(9, 40, lazy_tasks, lazy_receipts, meta, requests) == history.build(
+        9, 40, tasks, receipts, meta, requests
+    )
+    assert max(lazy_tasks.asked + lazy_receipts.asked) == HISTORY_BLOCK_ROWS
+    assert sum(lazy_tasks.asked) == 300 and sum(lazy_receipts.asked) == 200
