@@ -141,6 +141,10 @@ class _Located:
         """The entry's metadata alone, built afresh."""
         return self.index.metadata(self.ordinal)
 
+    def metadata_value(self, key: str) -> Any:
+        """``metadata.get(key)``, building nothing else."""
+        return self.index.metadata_value(self.ordinal, key)
+
     @property
     def chunk(self) -> int:
         return self.index.chunk_bytes
@@ -442,10 +446,11 @@ class ReadSession:
         """Every record's metadata must name the task and attempt (API.md section 5, validate)."""
         if task_id is not None or attempt_id is not None:
             for located in resolved.records:
-                meta = located.metadata
-                if (task_id is not None and meta.get("task_id") != task_id) or (
-                    attempt_id is not None and meta.get("attempt_id") != attempt_id
+                task, attempt = located.metadata_value("task_id"), located.metadata_value("attempt_id")
+                if (task_id is not None and task != task_id) or (
+                    attempt_id is not None and attempt != attempt_id
                 ):
+                    meta = located.metadata
                     raise InvalidReference(
                         f"record {located.entry.record_id!r} does not belong to this task/attempt "
                         f"(task {task_id!r} attempt {attempt_id!r}; its metadata names task "

@@ -192,27 +192,26 @@ class IndexEntry:
 
 
 #: One index entry as an :class:`Index` keeps it, one flat tuple of plain values:
-#: ``(record_id, codec, tokens, offset, length, content, chunks, inline, meta, *pairs)``.
-#: ``inline`` is an inline manifest's canonical JSON bytes (or None). When every metadata value
-#: is a JSON scalar, ``meta`` is None and the keys and values follow as ``k1, v1, k2, v2, ...``;
-#: otherwise ``meta`` is the metadata's canonical JSON bytes. A collection untracks a tuple
-#: whose items are all untracked: strings, numbers, bytes, but not a dict, not even an empty
-#: one (CPython's ``_PyTuple_MaybeUntrack``), and a tuple nested in it only once a pass has
-#: met the inner one first, hence one flat tuple per entry.
+#: ``(record_id, codec, tokens, offset, length, content, chunks, inline, k1, v1, k2, v2, ...)``.
+#: ``inline`` is an inline manifest's canonical JSON bytes (or None). The metadata follows as
+#: keys and values; a value that is a JSON scalar is kept as it is, a list or an object as its
+#: canonical JSON bytes (metadata never holds bytes, so bytes there always mean "encoded"): a
+#: lookup of one key (a record's task and attempt, at every completion) decodes nothing. A
+#: collection untracks a tuple whose items are all untracked: strings, numbers, bytes, but not
+#: a dict, not even an empty one (CPython's ``_PyTuple_MaybeUntrack``), and a tuple nested in
+#: it only once a pass has met the inner one first, hence one flat tuple per entry.
 Row = tuple[Any, ...]
 
 _SCALARS = (str, int, float, bool, type(None))
-_META = 8  # where a row's ``meta`` is; its pairs follow
+_PAIRS = 8  # where a row's metadata keys and values start
 
 
 def _row(
     record_id: str, codec: str, metadata: dict[str, Any], tokens: int, offset: int, length: int,
     content: str, chunks: str, inline: bytes | None,
 ) -> Row:  # fmt: skip
-    head = (record_id, codec, tokens, offset, length, content, chunks, inline)
-    if all(type(v) in _SCALARS for v in metadata.values()):
-        return (*head, None, *[x for pair in metadata.items() for x in pair])
-    return (*head, encode(metadata))
+    pairs = [x for k, v in metadata.items() for x in (k, v if type(v) in _SCALARS else encode(v))]
+    return (record_id, codec, tokens, offset, length, content, chunks, inline, *pairs)
 
 
 def _entry_row(entry: IndexEntry) -> Row:
@@ -221,11 +220,12 @@ def _entry_row(entry: IndexEntry) -> Row:
                 entry.content, entry.chunks, inline)  # fmt: skip
 
 
+def _value(stored: Any) -> Any:
+    return decode(stored) if type(stored) is bytes else stored
+
+
 def _row_metadata(row: Row) -> dict[str, Any]:
-    meta = row[_META]
-    if meta is None:
-        return dict(zip(row[_META + 1 :: 2], row[_META + 2 :: 2], strict=True))
-    return dict(decode(meta))
+    return {key: _value(stored) for key, stored in zip(row[_PAIRS::2], row[_PAIRS + 1 :: 2], strict=True)}
 
 
 class Index:
@@ -258,7 +258,7 @@ class Index:
     def entry(self, ordinal: int) -> IndexEntry:
         """Entry ``ordinal`` (0 <= ordinal < len(self)), built afresh from its row."""
         row = self.rows[ordinal]
-        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_META]
+        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_PAIRS]
         return IndexEntry(
             record_id,
             codec,
@@ -274,6 +274,14 @@ class Index:
     def metadata(self, ordinal: int) -> dict[str, Any]:
         """Entry ``ordinal``'s metadata alone, built afresh."""
         return _row_metadata(self.rows[ordinal])
+
+    def metadata_value(self, ordinal: int, key: str) -> Any:
+        """``metadata(ordinal).get(key)``, decoding no other value."""
+        row = self.rows[ordinal]
+        for at in range(_PAIRS, len(row), 2):
+            if row[at] == key:
+                return _value(row[at + 1])
+        return None
 
     @property
     def entries(self) -> tuple[IndexEntry, ...]:
@@ -402,7 +410,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
     if inline is not None:
         if codec != MANIFEST_CODEC or type(inline) is not dict:
             raise CorruptData(f"index record {record_id!r}: only manifests are stored inline")
-        return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(inline), None)
+        return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(inline))
     meta, tokens, offset, length = item.get("meta"), item.get("tokens"), item.get("off"), item.get("len")
     content, chunks = item.get("hash"), item.get("chunks")
     if (
