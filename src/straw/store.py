@@ -141,10 +141,6 @@ class _Located:
         """The entry's metadata alone, built afresh."""
         return self.index.metadata(self.ordinal)
 
-    def metadata_value(self, key: str) -> Any:
-        """``metadata.get(key)``, building nothing else."""
-        return self.index.metadata_value(self.ordinal, key)
-
     @property
     def chunk(self) -> int:
         return self.index.chunk_bytes
@@ -198,6 +194,22 @@ class _Resolved:
         if segment is None or index is None:
             return self._records or ()
         return tuple([_Located(segment, o, index) for o in self._ordinals])
+
+    def extents(self) -> list[tuple[frame.Index, tuple[int, ...]]]:
+        """The records as (index, ordinals there), without building each located record."""
+        if self._index is not None:
+            return [(self._index, self._ordinals)]
+        return [(r.index, (r.ordinal,)) for r in self._records or ()]
+
+    def single_extent(self) -> SegmentRef | None:
+        """The one extent holding every record, if there is one (and a record at all)."""
+        return self._segment
+
+    def record_paths(self) -> set[str]:
+        """The packs holding the set's records."""
+        if self._segment is not None:
+            return {self._segment.path}
+        return {r.segment.path for r in self._records or ()}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Resolved):
@@ -445,17 +457,17 @@ class ReadSession:
     def check_ownership(resolved: _Resolved, task_id: str | None, attempt_id: str | None) -> None:
         """Every record's metadata must name the task and attempt (API.md section 5, validate)."""
         if task_id is not None or attempt_id is not None:
-            for located in resolved.records:
-                task, attempt = located.metadata_value("task_id"), located.metadata_value("attempt_id")
-                if (task_id is not None and task != task_id) or (
-                    attempt_id is not None and attempt != attempt_id
-                ):
-                    meta = located.metadata
-                    raise InvalidReference(
-                        f"record {located.entry.record_id!r} does not belong to this task/attempt "
-                        f"(task {task_id!r} attempt {attempt_id!r}; its metadata names task "
-                        f"{meta.get('task_id')!r} attempt {meta.get('attempt_id')!r})"
-                    )
+            for index, ordinals in resolved.extents():
+                for ordinal in ordinals:
+                    task, attempt = index.metadata_values(ordinal, "task_id", "attempt_id")
+                    if (task_id is not None and task != task_id) or (
+                        attempt_id is not None and attempt != attempt_id
+                    ):
+                        raise InvalidReference(
+                            f"record {index.entry(ordinal).record_id!r} does not belong to this "
+                            f"task/attempt (task {task_id!r} attempt {attempt_id!r}; its metadata "
+                            f"names task {task!r} attempt {attempt!r})"
+                        )
 
     def envelope(self, ref: RecordRef) -> dict[str, Any]:
         """A record's verified description without its payload."""
@@ -1293,8 +1305,7 @@ class SharedFilesystemStore:
         session.check_ownership(resolved, task_id, attempt_id)
         if adoption is not None:
             self._note_adoption(session, ref, resolved, adoption)
-        packs = {ref.manifest.segment.path}
-        packs.update(r.segment.path for r in resolved.records)
+        packs = {ref.manifest.segment.path} | resolved.record_paths()
         self._check_present(packs, "result")
         if resolved.dependencies:
             packs |= self.reach(resolved.dependencies, adoption=adoption)
@@ -1362,6 +1373,9 @@ class SharedFilesystemStore:
         submission = session.index(segment).submission_id
         adoption.owners.add(self._staging_owner(writer_of(segment.path), submission, ordinal))
         outside: dict[tuple[str, int], tuple[SegmentRef, set[int]]] = {}
+        only = resolved.single_extent()
+        if only is not None and (only.path, only.offset) == (segment.path, segment.offset):
+            return  # every record is in the manifest's own extent (a usual publication)
         for located in resolved.records:
             where = (located.segment.path, located.segment.offset)
             if where != (segment.path, segment.offset):

@@ -57,7 +57,8 @@ def test_the_composed_index_frame_is_the_encoded_index_body(
     submission: str, entries: list[frame.IndexEntry], chunk: int
 ) -> None:
     texts = ["" if e.inline is not None else encode_text(e.metadata) for e in entries]
-    composed = frame.encode_index_frame(submission, entries, texts, chunk)
+    rows = frame.Index(submission, chunk, entries).rows  # what the writer lays out
+    composed = frame.encode_index_frame(submission, rows, texts, chunk)
     assert composed == frame.encode_json_frame(frame.KIND_INDEX, frame.index_body(submission, entries, chunk))
 
 

@@ -26,7 +26,7 @@ from ..limits import (
     SUBMISSION_ID_BYTES_MAX,
     TOKENS_MAX,
 )
-from ..protocol import decode, encode, encode_text, quote
+from ..protocol import decode, encode, quote
 
 FORMAT_VERSION = 1
 PACK_MAGIC = b"STRWPACK"
@@ -206,18 +206,30 @@ _SCALARS = (str, int, float, bool, type(None))
 _PAIRS = 8  # where a row's metadata keys and values start
 
 
-def _row(
+def entry_row(
     record_id: str, codec: str, metadata: dict[str, Any], tokens: int, offset: int, length: int,
-    content: str, chunks: str, inline: bytes | None,
+    content: str, chunks: str,
 ) -> Row:  # fmt: skip
+    """The row of a record's index entry (not an inline manifest's: :func:`inline_row`)."""
     pairs = [x for k, v in metadata.items() for x in (k, v if type(v) in _SCALARS else encode(v))]
-    return (record_id, codec, tokens, offset, length, content, chunks, inline, *pairs)
+    return (record_id, codec, tokens, offset, length, content, chunks, None, *pairs)
+
+
+def inline_row(record_id: str, body: dict[str, Any]) -> Row:
+    """The row of an index entry carrying a manifest inline (see :func:`inline_entry`)."""
+    return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(body))
+
+
+def row_length(row: Row) -> int:
+    """The payload bytes of a row's record (0 for an inline manifest)."""
+    return 0 if row[7] is not None else int(row[4])
 
 
 def _entry_row(entry: IndexEntry) -> Row:
-    inline = None if entry.inline is None else encode(entry.inline)
-    return _row(entry.record_id, entry.codec, entry.metadata, entry.tokens, entry.offset, entry.length,
-                entry.content, entry.chunks, inline)  # fmt: skip
+    if entry.inline is not None:
+        return inline_row(entry.record_id, entry.inline)
+    return entry_row(entry.record_id, entry.codec, entry.metadata, entry.tokens, entry.offset, entry.length,
+                     entry.content, entry.chunks)  # fmt: skip
 
 
 def _value(stored: Any) -> Any:
@@ -275,13 +287,18 @@ class Index:
         """Entry ``ordinal``'s metadata alone, built afresh."""
         return _row_metadata(self.rows[ordinal])
 
-    def metadata_value(self, ordinal: int, key: str) -> Any:
-        """``metadata(ordinal).get(key)``, decoding no other value."""
+    def metadata_values(self, ordinal: int, first: str, second: str) -> tuple[Any, Any]:
+        """``metadata(ordinal).get(first)`` and ``.get(second)``, decoding no other value
+        (a completion checks every record's task and attempt)."""
         row = self.rows[ordinal]
+        found: list[Any] = [None, None]
         for at in range(_PAIRS, len(row), 2):
-            if row[at] == key:
-                return _value(row[at + 1])
-        return None
+            key = row[at]
+            if key == first:
+                found[0] = _value(row[at + 1])
+            elif key == second:
+                found[1] = _value(row[at + 1])
+        return found[0], found[1]
 
     @property
     def entries(self) -> tuple[IndexEntry, ...]:
@@ -313,24 +330,26 @@ def index_body(submission_id: str, entries: Sequence[IndexEntry], chunk: int = C
 
 
 def encode_index_frame(
-    submission_id: str, entries: Sequence[IndexEntry], meta_texts: Sequence[str], chunk: int = CHUNK_BYTES
+    submission_id: str, rows: Sequence[Row], meta_texts: Sequence[str], chunk: int = CHUNK_BYTES
 ) -> tuple[bytes, bytes, str]:
-    """:func:`encode_json_frame` of :func:`index_body`, its entries' metadata given as canonical
-    texts (``meta_texts[i]`` is ``encode_text(entries[i].metadata)``; ignored for inline ones).
+    """:func:`encode_json_frame` of :func:`index_body` of the entries these rows hold, their
+    metadata given as canonical texts (``meta_texts[i]`` is ``encode_text`` of row ``i``'s
+    metadata; ignored for inline manifests).
 
     The same bytes, composed from parts (keys in sorted order) instead of encoding every
     metadata again; a property test holds the two equal.
     """
     number = int.__repr__
     records = []
-    for e, meta in zip(entries, meta_texts, strict=True):
-        if e.inline is not None:
-            records.append(encode_text(_entry_body(e)))
+    for row, meta in zip(rows, meta_texts, strict=True):
+        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_PAIRS]
+        if inline is not None:
+            records.append(f'{{"codec":{quote(codec)},"id":{quote(record_id)},"inline":{inline.decode()}}}')
             continue
         records.append(
-            f'{{"chunks":{quote(e.chunks)},"codec":{quote(e.codec)},"hash":{quote(e.content)},'
-            f'"id":{quote(e.record_id)},"len":{number(e.length)},"meta":{meta},'
-            f'"off":{number(e.offset)},"tokens":{number(e.tokens)}}}'
+            f'{{"chunks":{quote(chunks)},"codec":{quote(codec)},"hash":{quote(content)},'
+            f'"id":{quote(record_id)},"len":{number(length)},"meta":{meta},'
+            f'"off":{number(offset)},"tokens":{number(tokens)}}}'
         )
     text = (
         f'{{"chunk":{number(chunk)},"records":[{",".join(records)}],'
@@ -410,7 +429,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
     if inline is not None:
         if codec != MANIFEST_CODEC or type(inline) is not dict:
             raise CorruptData(f"index record {record_id!r}: only manifests are stored inline")
-        return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(inline))
+        return inline_row(record_id, inline)
     meta, tokens, offset, length = item.get("meta"), item.get("tokens"), item.get("off"), item.get("len")
     content, chunks = item.get("hash"), item.get("chunks")
     if (
@@ -433,7 +452,7 @@ def _parse_entry(item: object, chunk: int, body_bytes: int) -> Row:
         raise CorruptData(f"index record {record_id!r}: malformed content hash")
     if len(chunks) != 16 * chunk_count(length, chunk) or not _HEX.fullmatch(chunks):
         raise CorruptData(f"index record {record_id!r}: chunk checksum table does not match its length")
-    return _row(record_id, codec, meta, tokens, offset, length, content, chunks, None)
+    return entry_row(record_id, codec, meta, tokens, offset, length, content, chunks)
 
 
 # --------------------------------------------------------------------------- manifest

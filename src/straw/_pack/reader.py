@@ -127,14 +127,13 @@ SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(
 )
 
 
-def remember_written(segment: SegmentRef, submission_id: str, entries: Sequence[frame.IndexEntry]) -> None:
+def remember_written(segment: SegmentRef, submission_id: str, rows: Sequence[frame.Row]) -> None:
     """Share the index of an extent this process just made durable (the writer calls it).
 
-    The writer calls it only with entries whose metadata is a plain JSON copy sharing no
-    container with its callers' (``writer._owned``): nothing a caller still holds can change
-    a cached index, and the entries equal what reading the index frame back would give.
+    The writer calls it only with rows made from a plain JSON copy of each record's metadata
+    (``writer.owned_metadata``): they equal what reading the index frame back would give.
     """
-    SHARED_INDEXES.put(segment, frame.Index(submission_id, CHUNK_BYTES, tuple(entries)))
+    SHARED_INDEXES.put(segment, frame.Index.of_rows(submission_id, CHUNK_BYTES, tuple(rows)))
 
 
 @dataclass

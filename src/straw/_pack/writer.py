@@ -145,7 +145,7 @@ class _Layout(NamedTuple):
     index_size: int
     checksum: str
     submission_id: str
-    entries: list[frame.IndexEntry]
+    entries: list[frame.Row]
     shareable: bool  # every entry's metadata is a plain copy (_owned): readers may share them
 
 
@@ -245,15 +245,15 @@ class PackWriter:
     # -- internals -------------------------------------------------------------------
 
     def _layout(self, entries: Sequence[Entry], submission_id: str, start: int) -> _Layout:
-        """Frames of one extent at ``start``, and the index entries it records."""
+        """Frames of one extent at ``start``, and the index rows it records (``frame.Row``)."""
         buffers: list[posix.Buffer] = []
-        placed: list[frame.IndexEntry] = []
-        texts: list[str] = []  # the metadata text of each entry of ``placed`` ("" for inline ones)
+        rows: list[frame.Row] = []
+        texts: list[str] = []  # the metadata text of each row ("" for inline ones)
         position = start
         shareable = True
         for e in entries:
             if e.inline is not None:
-                placed.append(frame.inline_entry(e.record_id, e.inline))
+                rows.append(frame.inline_row(e.record_id, e.inline))
                 texts.append("")
                 continue
             buffers.append(frame.encode_frame_header(frame.KIND_RECORD, e.payload.nbytes, e.content))
@@ -263,30 +263,23 @@ class PackWriter:
             if metadata is None:  # (the caller's values stay theirs to change: a copy)
                 shareable, metadata = False, dict(e.metadata)
             texts.append(e.meta_text or encode_text(metadata))
-            placed.append(
-                frame.IndexEntry(
-                    e.record_id,
-                    e.codec,
-                    metadata,
-                    e.tokens,
-                    position,
-                    e.payload.nbytes,
-                    e.content,
-                    e.chunks,
+            rows.append(
+                frame.entry_row(
+                    e.record_id, e.codec, metadata, e.tokens, position, e.payload.nbytes, e.content, e.chunks
                 )
             )
             position += e.payload.nbytes
-        head, body, sum_hex = frame.encode_index_frame(submission_id, placed, texts)
+        head, body, sum_hex = frame.encode_index_frame(submission_id, rows, texts)
         buffers += [head, body]
-        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, placed, shareable)
+        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, rows, shareable)
 
-    def _chunk_phases(self, entries: Sequence[frame.IndexEntry]) -> None:
+    def _chunk_phases(self, rows: Sequence[frame.Row]) -> None:
         """The peer's ``after_payload_chunk`` phase, once per payload chunk written (all of an
         extent is written by one vectored call, so they come together, before its sync)."""
         if not self.backend.fault_hooked:
             return
-        for e in entries:
-            for _ in range(-(-e.length // CHUNK_BYTES) if e.inline is None else 0):
+        for row in rows:
+            for _ in range(frame.chunk_count(frame.row_length(row), CHUNK_BYTES)):
                 self.backend.fault("after_payload_chunk")
 
     def _segment(self, relative: str, segment_id: str, offset: int, size: int, sum_hex: str) -> SegmentRef:
