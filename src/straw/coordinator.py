@@ -1088,9 +1088,9 @@ class Coordinator:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive integer, got {limit!r}")
 
-        def read() -> tuple[list[dict[str, Any]], bool]:
+        def read() -> tuple[list[CommitReceipt], bool]:
             state = self._state
-            page = state.commits[cursor : cursor + limit]
+            page = state.commits.receipts(cursor, cursor + limit)
             released = state.ledger.first_released(cursor, cursor + len(page))
             if released is not None:
                 raise InvalidReference(
@@ -1104,8 +1104,7 @@ class Coordinator:
         # files): without the pause, paging through a long log runs full collections.
         with collector_paused():
             page, done = self._query(read)
-            commits = tuple(CommitReceipt.from_journal(c) for c in page)
-        return CommitPage(commits, cursor + len(page), done)
+        return CommitPage(tuple(page), cursor + len(page), done)
 
     # ------------------------------------------------------------------ reads and workers
 

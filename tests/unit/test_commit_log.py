@@ -6,12 +6,13 @@ row or appended since, and the packed form must not depend on when it was loaded
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from straw._queue.commits import CommitLog
-from straw.protocol import decode, encode
+from straw.protocol import CommitReceipt, decode, encode
 
 RUN = "run-commits"
 PACK_A = f"raw/{'a' * 32}/{'1' * 32}.pack"
@@ -110,3 +111,21 @@ def test_appending_after_a_load_packs_like_one_log_built_at_once() -> None:
         assert loaded[window] == everything[window], window
     assert list(reload(loaded)) == items + more
     assert loaded.submissions()["s7"] == 7 and loaded.result_path(7) == PACK_B
+
+
+def test_receipt_objects_are_the_receipts_as_read_back_from_the_journal() -> None:
+    items = receipts()
+    more = [receipt(6, offset=400), receipt(7, path=PACK_B, offset=900)]
+    odd = receipt(8, offset=1600)
+    odd["result_ref"]["manifest"]["extra"] = 1  # a shape the flat form does not keep: stored as is
+    loaded = reload(log_of(items))
+    for item in [*more, odd]:
+        loaded.append(item)
+    everything = [*items, *more, odd]
+    for start, stop in ((0, 9), (2, 7), (6, 9), (7, 8), (8, 30), (9, 12), (5, 5)):
+        got = loaded.receipts(start, stop)
+        expected = [CommitReceipt.from_journal(r) for r in everything[start:stop]]
+        assert got == expected, (start, stop)
+        assert [dataclasses.asdict(r) for r in got] == [dataclasses.asdict(r) for r in expected]
+    fresh = log_of(everything)  # nothing loaded: every receipt from the flat form (or kept dict)
+    assert fresh.receipts(0, 9) == [CommitReceipt.from_journal(r) for r in everything]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 from ..errors import invariant
-from ..protocol import CHECKSUM_ALGORITHM
+from ..protocol import CHECKSUM_ALGORITHM, CommitReceipt, RecordRef, RecordSetRef, SegmentRef, unchecked
 
 _FORMAT_VERSION = 1
 
@@ -87,6 +87,27 @@ def _unflat(row: tuple[Any, ...] | dict[str, Any], position: int) -> dict[str, A
     }
 
 
+def _receipt_object(row: tuple[Any, ...], position: int) -> CommitReceipt:
+    """``CommitReceipt.from_journal(_unflat(row, position))`` without the dicts in between
+    (a page of ``read_commits`` builds one per receipt)."""
+    ordinal, ref_digest, records, size, tokens = row[_FLAT_REF:]
+    segment = unchecked(SegmentRef, dict(zip(_SEGMENT_FIELDS, row[4:_FLAT_REF], strict=True)))
+    manifest = unchecked(RecordRef, {"segment": segment, "ordinal": ordinal})
+    usage = {"records": records, "payload_bytes": size, "tokens": tokens}
+    ref = unchecked(RecordSetRef, {"manifest": manifest, "digest": ref_digest, **usage})
+    return unchecked(
+        CommitReceipt,
+        {
+            "commit_id": row[0],
+            "task_id": row[1],
+            "submission_id": row[2],
+            "digest": row[3],
+            "position": position,
+            "result_ref": ref,
+        },
+    )
+
+
 class CommitLog:
     """Receipts in position order: loaded rows first, then receipts appended since."""
 
@@ -132,6 +153,17 @@ class CommitLog:
         if not 0 <= position < len(self):
             raise IndexError(f"commit position {position} out of range")
         return self._receipt(position)
+
+    def receipts(self, start: int, stop: int) -> list[CommitReceipt]:
+        """The receipts of positions ``start .. stop - 1`` (clipped to the log) as objects."""
+        stop = min(stop, len(self))
+        loaded = self.base + len(self._rows)
+        if start < loaded:
+            return [CommitReceipt.from_journal(c) for c in self[start:stop]]
+        return [
+            _receipt_object(row, p) if type(row) is tuple else CommitReceipt.from_journal(_unflat(row, p))
+            for p, row in enumerate(self._new[start - loaded : max(start, stop) - loaded], start)
+        ]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self._receipt(p) for p in range(len(self)))
