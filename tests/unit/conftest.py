@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import straw.store as store_module
+from straw import SharedFilesystemStore
+from straw._pack import reader
+
+#: The run of ``memo_store``.
+MEMO_RUN = "run"
 
 
 @pytest.fixture
@@ -21,3 +28,20 @@ def digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(store_module, "logical_digest", counted)
     return calls
+
+
+@pytest.fixture
+def empty_memos() -> Iterator[None]:
+    """The process-wide caches of written sets and shared indexes, empty before and after."""
+    store_module.WRITTEN_SETS.clear()
+    reader.SHARED_INDEXES.clear()
+    yield
+    store_module.WRITTEN_SETS.clear()
+    reader.SHARED_INDEXES.clear()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
+    """A store of run ``MEMO_RUN`` on a fresh pool (a test module's own ``store`` wins)."""
+    with SharedFilesystemStore(tmp_path / "pool", MEMO_RUN) as opened:
+        yield opened

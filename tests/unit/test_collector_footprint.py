@@ -10,8 +10,6 @@ untracks), one object per remembered set or answer, and bounds that hold. No tim
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,19 +26,8 @@ from straw.store import WRITTEN_SETS, set_key
 RUN = "run"
 
 
-@pytest.fixture(autouse=True)
-def _empty_caches() -> Iterator[None]:
-    WRITTEN_SETS.clear()
-    reader.SHARED_INDEXES.clear()
-    yield
-    WRITTEN_SETS.clear()
-    reader.SHARED_INDEXES.clear()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
-    with SharedFilesystemStore(tmp_path / "pool", RUN) as opened:
-        yield opened
+#: Every test starts and ends with empty process-wide caches; ``store`` is conftest's.
+pytestmark = pytest.mark.usefixtures("empty_memos")
 
 
 def _untracked(value: Any) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ import pytest
 
 import straw.store as store_module
 from straw import Publication, Record, SharedFilesystemStore
-from straw._pack import reader
 from straw.backend import FilesystemBackend
 from straw.errors import CorruptData, InvalidReference, StorageUnavailable
 from straw.store import WRITTEN_SETS, ReadSession, set_key
@@ -27,19 +25,8 @@ from straw.store import WRITTEN_SETS, ReadSession, set_key
 RUN = "run"
 
 
-@pytest.fixture(autouse=True)
-def _empty_caches() -> Iterator[None]:
-    WRITTEN_SETS.clear()
-    reader.SHARED_INDEXES.clear()
-    yield
-    WRITTEN_SETS.clear()
-    reader.SHARED_INDEXES.clear()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[SharedFilesystemStore]:
-    with SharedFilesystemStore(tmp_path / "pool", RUN) as opened:
-        yield opened
+#: Every test starts and ends with empty process-wide caches; ``store`` is conftest's.
+pytestmark = pytest.mark.usefixtures("empty_memos")
 
 
 def _session(store: SharedFilesystemStore) -> ReadSession:
