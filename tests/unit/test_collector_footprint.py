@@ -172,9 +172,13 @@ def test_receipts_accepted_since_the_load_are_untracked_rows() -> None:
     assert list(reloaded) == list(log) and all(_untracked(row) for row in reloaded._rows)
 
 
+def _nested(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(inner, max_size=8) | st.dictionaries(st.text(max_size=4), inner, max_size=8)
+
+
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=8) | st.dictionaries(st.text(max_size=4), inner, max_size=8),
+    _nested,
     max_leaves=60,
 )
 
