@@ -22,7 +22,7 @@ from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
 from ..limits import CHUNK_BYTES, PACK_PREALLOC_BYTES
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode_text
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
 from . import frame, reader
 
 PACK_SUFFIX = ".pack"
@@ -47,7 +47,8 @@ class Entry(NamedTuple):
     inline: dict[str, object] | None = None
     #: The metadata's canonical JSON text (what the index frame and the logical digest hold)
     #: and, when it is plain JSON, the copy that text was made from (:func:`owned_metadata`),
-    #: which the written index shares with readers. Empty text: encoded when framed.
+    #: which the written index shares with readers. Every record the store checks has it
+    #: (``SharedFilesystemStore._entry``); an inline manifest has none.
     meta_text: str = ""
     owned: dict[str, Any] | None = None
 
@@ -259,10 +260,11 @@ class PackWriter:
             buffers.append(frame.encode_frame_header(frame.KIND_RECORD, e.payload.nbytes, e.content))
             buffers.append(e.payload)
             position += frame.FRAME_HEADER_BYTES
-            metadata = e.owned if e.meta_text else owned_metadata(e.metadata)
+            invariant(bool(e.meta_text), "a record's metadata text is made when the store checks it")
+            metadata = e.owned
             if metadata is None:  # (the caller's values stay theirs to change: a copy)
                 shareable, metadata = False, dict(e.metadata)
-            texts.append(e.meta_text or encode_text(metadata))
+            texts.append(e.meta_text)
             rows.append(
                 frame.entry_row(
                     e.record_id, e.codec, metadata, e.tokens, position, e.payload.nbytes, e.content, e.chunks
