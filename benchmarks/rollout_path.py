@@ -143,12 +143,16 @@ def checksum(arrays: list[Any]) -> tuple[int, int]:
     return total, size
 
 
-def io_read_chars() -> int:
+def bytes_brought_in() -> int:
+    """Bytes this process has read by system call plus file pages it has mapped in (large
+    tensors share the pack's pages instead of reading them: docs/DURABILITY.md D5.6a)."""
     with open("/proc/self/io") as handle:
-        for line in handle:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    return 0
+        read = next((int(line.split()[1]) for line in handle if line.startswith("rchar:")), 0)
+    with open("/proc/self/status") as handle:
+        mapped = sum(
+            int(line.split()[1]) * 1024 for line in handle if line.startswith(("RssFile:", "RssShmem:"))
+        )
+    return read + mapped
 
 
 def peak_rss() -> int:
@@ -223,14 +227,15 @@ def straw_path(args: SimpleNamespace) -> dict[str, Any]:
             import torch  # noqa: F401 - imported before the clock starts, as a trainer has it
 
         def load(self, refs: list[Any], rank: int) -> dict[str, Any]:
-            before, started = io_read_chars(), time.perf_counter()
+            before, started = bytes_brought_in(), time.perf_counter()
             data = load_rank_batch(refs, rank)
             arrays = [t.numpy() if isinstance(t, TensorRef) else t for key in REPLAY for t in data[key]]
             arrays += list(data["tokens"])
             total, size = checksum(arrays)
+            seconds, read = time.perf_counter() - started, bytes_brought_in() - before
             return {
-                "seconds": time.perf_counter() - started,
-                "read": io_read_chars() - before,
+                "seconds": seconds,
+                "read": read,
                 "share": size,
                 "checksum": total,
                 "rows": len(data["tokens"]),

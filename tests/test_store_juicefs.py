@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import pytest
 
 from child_io import CHILD_TIMEOUT_S, children, exchange
@@ -29,6 +30,7 @@ from straw.backend import FilesystemBackend
 from straw.errors import CorruptData
 from straw.protocol import Publication, Record, RecordSetRef
 from straw.store import SharedFilesystemStore
+from straw.tensor import TENSOR_CODEC, publish_tensors
 
 pytestmark = pytest.mark.juicefs
 
@@ -194,6 +196,30 @@ def test_i6_damage_made_on_client_a_is_corrupt_data_on_client_b(
                 after.read_range(victim, 0, len(data))
         # The extent before the damaged one still reads on client B.
         assert [bytes(r.payload) for r in after.read(kept)] == [payload("kept", 5000)]
+
+
+@pytest.mark.timeout(120)
+def test_large_tensors_on_a_shared_mount_are_read_into_memory_of_their_own(
+    juicefs_pool: tuple[Path, Path], juicefs_clients: Any
+) -> None:
+    """D5.6a: pages of a pack on a FUSE mount are never mapped (another client may collect the
+    pack; a page faulted in again afterwards would be SIGBUS). The tensor is read and verified."""
+    path_a, path_b = juicefs_pool
+    declaration = juicefs_clients.declaration
+    value = np.random.default_rng(5).integers(0, 256, size=(2048, 48, 8), dtype=np.int32)  # 3 MiB
+    value = np.concatenate([value, value])  # 6 MiB: above READ_MAPPING_BYTES_MIN
+    codecs = ("bytes.v1", TENSOR_CODEC)
+    backend_a = FilesystemBackend(path_a, profile="juicefs", declaration=declaration)
+    with SharedFilesystemStore(path_a, RUN, backend=backend_a, codecs=codecs) as writer:
+        (ref,) = publish_tensors(writer, {"routes": value}, submission_id="large")
+    backend_b = FilesystemBackend(path_b, profile="juicefs", declaration=declaration)
+    with SharedFilesystemStore(path_b, RUN, backend=backend_b, codecs=codecs) as reader:
+        assert not reader.backend.maps_reads
+        loaded = ref.numpy(reader=reader)
+        assert np.array_equal(loaded, value)
+        with open("/proc/self/maps") as maps:
+            mapped = [line for line in maps if str(path_b) in line]
+        assert mapped == []
 
 
 if __name__ == "__main__":

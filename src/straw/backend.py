@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._fs import posix
+from ._fs import mounts, posix
 from .errors import InvalidReference
 from .limits import VISIBILITY_RETRY_DELAYS
 
@@ -99,6 +99,7 @@ class FilesystemBackend:
         self.visibility_delays = tuple(visibility_delays)
         self.metrics: dict[str, int] = {"syncs": 0, "file_syncs": 0, "dir_syncs": 0, "files_created": 0}
         self._real_root: str | None = None
+        self._maps_reads: bool | None = None
 
     def __repr__(self) -> str:
         return f"FilesystemBackend({str(self.root)!r}, profile={self.profile!r})"
@@ -171,6 +172,14 @@ class FilesystemBackend:
         if self._real_root is None:
             self._real_root = os.path.realpath(self.root)
         return self._real_root
+
+    @property
+    def maps_reads(self) -> bool:
+        """Whether large reads may share the pack's pages instead of copying them: the pool is on
+        a local filesystem (``_fs.mounts.LOCAL_FILESYSTEMS``; docs/DURABILITY.md D5.6a)."""
+        if self._maps_reads is None:
+            self._maps_reads = mounts.is_local(self._root_text)
+        return self._maps_reads
 
     # -- counted syncs (the only way the store reaches fsync) ----------------------
 

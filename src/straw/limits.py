@@ -94,6 +94,12 @@ SYSCALL_BYTES_MAX = 1 * GiB
 #: mapping each would also spend the process's map entries (``vm.max_map_count``) on small tensors.
 READ_MAPPING_BYTES_MIN = 4 * MiB
 
+#: A write larger than this goes down in slices of this size, each handed to the kernel's
+#: writeback as soon as it is written (``posix.pwrite_all``), so the disk works while the next
+#: slice is copied and the extent's ``fdatasync`` waits only for the tail. Measured on ext4 with
+#: four writers of 52 MiB extents: 2.8-3.7 s -> 2.0-2.3 s; 4-16 MiB slices all do about as well.
+WRITEBACK_SLICE_BYTES = 8 * MiB
+
 #: Most buffers in one vectored write (POSIX IOV_MAX is 1024 on Linux).
 IOVEC_COUNT_MAX = 1024
 
@@ -169,6 +175,7 @@ PART_ID_BYTES_MAX = 256
 
 invariant(CHUNK_BYTES > 0 and CHUNK_BYTES % 4096 == 0, "chunks are whole pages")
 invariant(SYSCALL_BYTES_MAX < 0x7FFFF000, "one syscall never hits the Linux transfer cap")
+invariant(WRITEBACK_SLICE_BYTES <= SYSCALL_BYTES_MAX, "a writeback slice is one syscall")
 invariant(CHUNK_BYTES <= SYSCALL_BYTES_MAX, "a chunk is read by one syscall")
 invariant(RECORD_BYTES_MAX < PACK_BYTES_MAX, "a record fits in a pack")
 invariant(METADATA_BYTES_MAX < INDEX_BYTES_MAX, "one record's metadata fits an index")

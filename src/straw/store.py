@@ -29,7 +29,7 @@ from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
-from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, SharedMemo, read_buffer
+from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, SharedMemo
 from ._pack.writer import CommitUncertain, Entry, PackWriter, owned_metadata
 from .backend import FilesystemBackend
 from .errors import (
@@ -579,6 +579,14 @@ class ReadSession:
             )
         self._reader.payload_into(located.segment, entry, located.chunk, target)
 
+    def read_mapped(self, ref: RecordRef) -> memoryview | None:
+        """The whole verified payload as the pack's pages mapped copy-on-write, or None where it
+        is not mapped (under READ_MAPPING_BYTES_MIN, or the pool is not on a local filesystem:
+        docs/DURABILITY.md D5.6a). Nothing is copied, and changing the view changes only this
+        process's pages; a tensor's array can be made over it directly."""
+        located = self.locate(ref)
+        return self._reader.payload_mapped(located.segment, located.entry, located.chunk)
+
     def read_tensor_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
         """Payload bytes ``start:stop`` in fresh writable memory, reading and verifying only the chunks
         they touch (like :meth:`read_range`, but the result may back a tensor without a copy)."""
@@ -592,8 +600,7 @@ class ReadSession:
         first = start // chunk
         low = first * chunk
         high = min(entry.length, ((stop - 1) // chunk + 1) * chunk)
-        buffer = read_buffer(high - low)
-        self._reader.payload_into(located.segment, entry, chunk, buffer, first)
+        buffer = self._reader.payload_view(located.segment, entry, chunk, first, high)
         if tracing.enabled():
             tracing.emit("read_range", root=self._reader.backend.root, size=stop - start,
                          seconds=time.perf_counter() - began, checked_bytes=high - low)  # fmt: skip

@@ -452,11 +452,16 @@ class TensorRef:
     def load(
         self, *, reader: ReadSession | SharedFilesystemStore | None = None, pin_memory: bool = False
     ) -> Any:
-        """The whole tensor (CPU), read straight into freshly allocated storage and verified."""
+        """The whole tensor (CPU), verified. A large one shares the pack's pages copy-on-write
+        (``ReadSession.read_mapped``); others, and ``pin_memory=True``, read into fresh storage."""
         torch = _torch()
         with naming(self.what):
             session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
+            mapped = None if pin_memory or not self.nbytes else session.read_mapped(self.record_ref)
+            if mapped is not None:
+                out = torch.from_numpy(np.frombuffer(mapped, dtype=_STORAGE[self.dtype]).reshape(self.shape))
+                return out.view(torch.bfloat16) if self.dtype == "bfloat16" else out
             try:
                 out = torch.empty(self.shape, dtype=getattr(torch, self.dtype), pin_memory=pin_memory)
             except RuntimeError as error:
@@ -477,10 +482,12 @@ class TensorRef:
         with naming(self.what):
             session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
-            # Memory of ordinary pages that the read touches first (read_buffer says why not np.empty).
-            buffer = read_buffer(self.nbytes)
-            if self.nbytes:
-                session.read_into(self.record_ref, buffer)
+            buffer = session.read_mapped(self.record_ref) if self.nbytes else None
+            if buffer is None:
+                # Memory of ordinary pages that the read touches first (read_buffer says why not np.empty).
+                buffer = read_buffer(self.nbytes)
+                if self.nbytes:
+                    session.read_into(self.record_ref, buffer)
         return np.frombuffer(buffer, dtype=_STORAGE[self.dtype]).reshape(self.shape)
 
     def rows(

@@ -312,40 +312,121 @@ def test_read_buffers_are_writable_memory_of_exactly_the_size_asked(nbytes: int)
         assert buffer[0] == buffer[nbytes - 1] == 0xA5
 
 
-@pytest.mark.parametrize("shape", [(64, 48, 8), (8192, 48, 8)], ids=["96KiB", "12MiB"])
-def test_numpy_reads_straight_into_the_array_it_returns(
-    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
+def test_numpy_reads_a_small_tensor_straight_into_the_array_it_returns(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    value = numpy_value("int32", shape)
-    (ref,) = publish_tensors(store, {"routes": value}, submission_id=f"numpy-{shape[0]}")
+    value = numpy_value("int32", (64, 48, 8))  # 96 KiB: below READ_MAPPING_BYTES_MIN
+    (ref,) = publish_tensors(store, {"routes": value}, submission_id="numpy-small")
     ref.numpy()  # the index is cached from here on
     calls = preadv_spy(monkeypatch)
     loaded = ref.numpy()
     assert len(calls) == 1
     (target,), _ = calls[0]
     assert target.nbytes == ref.nbytes and shares(target, loaded)
-    assert loaded.dtype == np.int32 and loaded.shape == shape and np.array_equal(loaded, value)
+    assert loaded.dtype == np.int32 and loaded.shape == (64, 48, 8) and np.array_equal(loaded, value)
     loaded[0, 0, 0] = -7  # a writable array of its own: the next read is unaffected
     assert np.array_equal(ref.numpy(), value)
 
 
-def test_bytes_returned_by_large_reads_do_not_follow_later_changes_to_the_pack(
+def mapped_file(array: np.ndarray[Any, Any]) -> str | None:
+    """The file whose pages hold the array's first byte, from this process's memory map."""
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_a_large_tensor_shares_the_packs_pages_copy_on_write(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D5.6a: no copy and no read call; writes to the result stay this process's own."""
+    value = numpy_value("int32", (8192, 48, 8))  # 12 MiB
+    (ref,) = publish_tensors(store, {"routes": value}, submission_id="numpy-large")
+    ref.numpy()  # the index is cached from here on
+    calls = preadv_spy(monkeypatch)
+    as_numpy, as_torch, rows = ref.numpy(), ref.load(), ref[1000:7000]
+    assert calls == []
+    path, offset = payload_offset(store, ref)
+    for array in (as_numpy, as_torch.numpy(), rows.numpy()):
+        assert mapped_file(array) == str(path) and array.flags.writeable
+    assert np.array_equal(as_numpy, value) and np.array_equal(rows.numpy(), value[1000:7000])
+    assert as_torch.dtype == torch.int32 and torch.equal(as_torch, torch.from_numpy(value))
+    as_numpy[:] = -7
+    as_torch.fill_(5)
+    rows.zero_()
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        assert handle.read(ref.nbytes) == value.tobytes()
+    assert np.array_equal(ref.numpy(), value)
+
+
+def test_a_large_bfloat16_tensor_loads_mapped(store: SharedFilesystemStore) -> None:
+    value = torch_value("bfloat16", (4096, 1024))  # 8 MiB
+    (ref,) = publish_tensors(store, {"v": value}, submission_id="bf16-large")
+    loaded = ref.load()
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded, value)
+    assert torch.equal(ref[100:200], value[100:200])
+
+
+def test_a_mapped_tensor_outlives_its_packs_deletion(store: SharedFilesystemStore) -> None:
+    """A collection unlinks whole packs; an array made before keeps its verified bytes."""
+    value = numpy_value("float32", (2048, 1024), seed=3)  # 8 MiB
+    (ref,) = publish_tensors(store, {"v": value}, submission_id="outlives")
+    loaded = ref.numpy()
+    store.close()
+    store.backend.path(ref.record_ref.segment.path).unlink()
+    gc.collect()
+    assert np.array_equal(loaded, value)
+
+
+def test_a_refused_mapping_reads_into_fresh_memory(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(fd: int, offset: int, size: int) -> memoryview:
+        raise OSError(19, "No such device")  # a filesystem without mmap
+
+    value = numpy_value("int64", (1024, 1024))  # 8 MiB
+    (ref,) = publish_tensors(store, {"v": value}, submission_id="refused")
+    monkeypatch.setattr(system.current, "map_private", refuse)
+    calls = preadv_spy(monkeypatch)
+    loaded = ref.numpy()
+    assert np.array_equal(loaded, value) and len(calls) == 1 and shares(calls[0][0][0], loaded)
+
+
+def test_a_large_tensor_of_a_cut_pack_is_a_clear_error_not_a_fault(store: SharedFilesystemStore) -> None:
+    """A file shorter than its reference is never mapped (touching past its end would SIGBUS)."""
+    value = numpy_value("int32", (8192, 48, 8))
+    (ref,) = publish_tensors(store, {"routes": value}, submission_id="cut")
+    ref[0:1]  # the index (after the payload, so cut off below) is cached from here on
+    path, offset = payload_offset(store, ref)
+    os.truncate(path, offset + ref.nbytes // 2)
+    with pytest.raises(CorruptData, match="truncated"):
+        ref.numpy()
+    with pytest.raises(CorruptData, match="truncated"):
+        ref.load()
+    with pytest.raises(CorruptData, match="truncated"):
+        ref[8000:8192]
+    assert torch.equal(ref[0:100], torch.from_numpy(value[0:100]))  # the chunks still there read
+
+
+def test_damage_to_a_pack_after_a_large_read_is_caught_by_the_next_read(
     store: SharedFilesystemStore,
 ) -> None:
-    """What a read verified is what the caller keeps: the result is private memory filled by
-    the read, never a view of the file (a change to the pack afterwards cannot reach it)."""
-    value = numpy_value("int32", (8192, 48, 8))  # 12 MiB: every result below is a mapped buffer
+    value = numpy_value("int32", (8192, 48, 8))  # 12 MiB: every read below is mapped
     (ref,) = publish_tensors(store, {"routes": value}, submission_id="private")
-    as_numpy, as_torch, rows = ref.numpy(), ref.load(), ref[0:6000]
+    ref.numpy()
     path, offset = payload_offset(store, ref)
-    with open(path, "r+b") as handle:  # overwrite the whole payload in place
+    with open(path, "r+b") as handle:  # overwrite the whole payload in place, from outside straw
         handle.seek(offset)
         handle.write(bytes(ref.nbytes))
-    assert np.array_equal(as_numpy, value)
-    assert np.array_equal(as_torch.numpy(), value)
-    assert np.array_equal(rows.numpy(), value[0:6000])
     with pytest.raises(CorruptData, match="payload checksum"):
-        ref.numpy()  # and the damage is caught on the next read of each path
+        ref.numpy()
+    with pytest.raises(CorruptData, match="payload checksum"):
+        ref.load()
     with pytest.raises(CorruptData, match="payload checksum"):
         ref[0:6000]
 

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..errors import QuotaExceeded, StorageUnavailable, invariant
-from ..limits import IOVEC_COUNT_MAX, SYSCALL_BYTES_MAX
+from ..limits import IOVEC_COUNT_MAX, SYSCALL_BYTES_MAX, WRITEBACK_SLICE_BYTES
 from . import system as _system
 
 Buffer = bytes | bytearray | memoryview
@@ -63,7 +63,8 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """Write every buffer at ``offset`` from the caller's memory (no concatenation).
 
     Groups at most IOVEC_COUNT_MAX buffers and SYSCALL_BYTES_MAX bytes per
-    system call and resumes after short writes. Returns the bytes written.
+    system call and resumes after short writes. A write over WRITEBACK_SLICE_BYTES
+    goes down in slices that start their writeback as they land. Returns the bytes written.
     """
     # The common case, a few buffers in one system call, without the general loop's bookkeeping.
     views: list[Buffer] = []
@@ -76,31 +77,38 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
             view = _flat(buffer)
             views.append(view)
             size += view.nbytes
-    if len(views) <= IOVEC_COUNT_MAX and size <= SYSCALL_BYTES_MAX:
+    if size > WRITEBACK_SLICE_BYTES:
+        return _pwrite_loop(fd, [memoryview(v) for v in views], offset, WRITEBACK_SLICE_BYTES)
+    if len(views) <= IOVEC_COUNT_MAX:
         written = _system.current.pwritev(fd, views, offset) if size else 0
         if written == size:
             return size
         # A short write: rewrite from the start (same bytes, same offsets) with the general loop.
-    return _pwrite_loop(fd, [memoryview(v) for v in views], offset)
+    return _pwrite_loop(fd, [memoryview(v) for v in views], offset, SYSCALL_BYTES_MAX)
 
 
-def _pwrite_loop(fd: int, views: list[memoryview], offset: int) -> int:
-    """The general case: any number and size of buffers, resuming after short writes."""
+def _pwrite_loop(fd: int, views: list[memoryview], offset: int, cap: int) -> int:
+    """The general case: any number and size of buffers, at most ``cap`` bytes per call,
+    resuming after short writes. A large write hands each slice to writeback as it lands."""
     pending = deque(views)
     position = offset
+    system = _system.current
     while pending:
         group: list[memoryview] = []
         size = 0
         for view in pending:
-            if len(group) == IOVEC_COUNT_MAX or size + view.nbytes > SYSCALL_BYTES_MAX:
-                if not group:
-                    group.append(view[:SYSCALL_BYTES_MAX])
-                    size = SYSCALL_BYTES_MAX
+            if len(group) == IOVEC_COUNT_MAX or size + view.nbytes > cap:
+                if len(group) < IOVEC_COUNT_MAX and size < cap:
+                    group.append(view[: cap - size])
+                    size = cap
                 break
             group.append(view)
             size += view.nbytes
-        written = _system.current.pwritev(fd, group, position) if size else 0
+        written = system.pwritev(fd, group, position) if size else 0
         invariant(written > 0 or size == 0, "pwritev made progress")
+        if cap == WRITEBACK_SLICE_BYTES and written:  # docs/DURABILITY.md D1.2b: speed only
+            with contextlib.suppress(OSError):
+                system.start_writeback(fd, position, written)
         position += written
         while pending and (written or pending[0].nbytes == 0):
             head = pending[0]
@@ -233,6 +241,12 @@ def retry_open(path: str, delays: Sequence[float], sleep: Callable[[float], None
 
 def close(fd: int) -> None:
     _system.current.close(fd)
+
+
+def map_private(fd: int, offset: int, size: int) -> memoryview:
+    """Bytes ``offset:offset + size`` of an open file as private copy-on-write pages. The
+    caller checks first that the file holds them (touching a page past its end faults)."""
+    return _system.current.map_private(fd, offset, size)
 
 
 def fstat_size(fd: int) -> int:

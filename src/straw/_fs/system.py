@@ -11,9 +11,12 @@ themselves, so the hot path pays no extra Python frame.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -29,9 +32,11 @@ class System(Protocol):
     def pread(self, fd: int, size: int, offset: int, /) -> bytes: ...
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int, /) -> int: ...
     def fdatasync(self, fd: int, /) -> None: ...
+    def start_writeback(self, fd: int, offset: int, size: int, /) -> None: ...
     def fsync(self, fd: int, /) -> None: ...
     def ftruncate(self, fd: int, size: int, /) -> None: ...
     def fstat_size(self, fd: int, /) -> int: ...
+    def map_private(self, fd: int, offset: int, size: int, /) -> memoryview: ...
     def flock(self, fd: int, operation: int, /) -> None: ...
     def rename(self, source: str, target: str, /) -> None: ...
     def link(self, source: str, target: str, /) -> None: ...
@@ -54,6 +59,40 @@ def _realpath(path: str) -> str:
     return os.path.realpath(path)
 
 
+def _writeback_call() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``sync_file_range`` from the C library (Python's ``os`` does not offer it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _map_private(fd: int, offset: int, size: int) -> memoryview:
+    """Bytes ``offset:offset + size`` of a file as private copy-on-write pages: reading them
+    shares the page cache, writing one copies that page for this process only."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(
+        fd, size + offset - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start
+    )
+    return memoryview(mapping)[offset - start :]
+
+
+_SYNC_FILE_RANGE = _writeback_call()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; wait for nothing
+
+
+def _start_writeback(fd: int, offset: int, size: int) -> None:
+    """Ask the kernel to begin writing a range out now (a hint: durability is still only what
+    ``fdatasync`` gives, and a refusal or a missing call changes nothing but speed)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, size, _SYNC_FILE_RANGE_WRITE)  # (ctypes releases the GIL)
+
+
 class OsSystem:
     """The real filesystem: each primitive is the ``os`` (or ``fcntl``) function itself."""
 
@@ -65,8 +104,10 @@ class OsSystem:
     # macOS has no fdatasync; fsync is the (stronger) substitute there.
     fdatasync = staticmethod(getattr(os, "fdatasync", os.fsync))
     fsync = staticmethod(os.fsync)
+    start_writeback = staticmethod(_start_writeback)
     ftruncate = staticmethod(os.ftruncate)
     fstat_size = staticmethod(_fstat_size)
+    map_private = staticmethod(_map_private)
     flock = staticmethod(fcntl.flock)
     rename = staticmethod(os.rename)
     link = staticmethod(os.link)

@@ -8,6 +8,7 @@ on a freshly opened descriptor before it is reported (docs/DURABILITY.md A6).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -436,6 +437,43 @@ class PackReader:
 
         chunks = self._verified(segment.path, segment.segment_id, hi - lo, entry.offset + lo, check)
         return memoryview(chunks)[start - lo : stop - lo]
+
+    def payload_mapped(
+        self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int, first: int = 0, end: int = -1
+    ) -> memoryview | None:
+        """Payload bytes from chunk ``first`` to ``end`` (a chunk boundary or the payload's end;
+        -1 for the end) as the pack file's own pages mapped copy-on-write, every chunk verified
+        there (docs/DURABILITY.md D5.6a): no copy and no fresh memory.
+
+        None unless the range is READ_MAPPING_BYTES_MIN or more, the pool is on a local
+        filesystem, the file holds the whole range and it verifies. The caller then reads
+        (:meth:`payload_into`), which retries and raises as every read does.
+        """
+        start = first * chunk
+        end = entry.length if end < 0 else end
+        large = end - start >= READ_MAPPING_BYTES_MIN
+        if not (
+            large and entry.inline is None and 0 <= start <= end <= entry.length and self.backend.maps_reads
+        ):
+            return None
+        handle = self._open(segment.path, segment.segment_id)
+        with contextlib.suppress(OSError, CorruptData):
+            if posix.fstat_size(handle.fd) >= entry.offset + end:
+                view = posix.map_private(handle.fd, entry.offset + start, end - start)
+                _verify_chunks(view, entry, chunk, first, segment.path)
+                return view
+        return None
+
+    def payload_view(
+        self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int, first: int = 0, end: int = -1
+    ) -> memoryview:
+        """Payload bytes from chunk ``first`` to ``end``, verified, in writable memory of their
+        own: mapped where :meth:`payload_mapped` maps them, else read into a read buffer."""
+        view = self.payload_mapped(segment, entry, chunk, first, end)
+        if view is None:
+            view = read_buffer((entry.length if end < 0 else end) - first * chunk)
+            self.payload_into(segment, entry, chunk, view, first)
+        return view
 
     def payload_into(
         self, segment: SegmentRef, entry: frame.IndexEntry, chunk: int, target: memoryview, first: int = 0

@@ -459,6 +459,9 @@ class FaultFS:
     def fdatasync(self, fd: int, /) -> None:
         self.fsync(fd)
 
+    def start_writeback(self, fd: int, offset: int, size: int, /) -> None:
+        self._file(fd, write=True)  # a hint: nothing becomes durable before a sync
+
     def fsync(self, fd: int, /) -> None:
         handle = self._handle(fd)
         node = handle.node
@@ -490,6 +493,12 @@ class FaultFS:
     def fstat_size(self, fd: int, /) -> int:
         node = self._handle(fd).node
         return len(node.data) if isinstance(node, _File) else 4096
+
+    def map_private(self, fd: int, offset: int, size: int, /) -> memoryview:
+        node = self._file(fd, write=False)  # a private copy, as a copy-on-write mapping behaves
+        if offset + size > len(node.data):
+            raise _error(errno.EINVAL)  # (a real mapping past the end would fault when touched)
+        return memoryview(bytearray(node.data[offset : offset + size]))
 
     def flock(self, fd: int, operation: int, /) -> None:
         node = self._handle(fd).node
