@@ -94,6 +94,12 @@ SYSCALL_BYTES_MAX = 1 * GiB
 #: mapping each would also spend the process's map entries (``vm.max_map_count``) on small tensors.
 READ_MAPPING_BYTES_MIN = 4 * MiB
 
+#: A sample document stores a list of this many ints or floats or more packed (binary in base64,
+#: docs/FORMAT.md section 10.5) instead of as JSON numbers. Below it JSON is as quick and stays
+#: readable in ``straw inspect``; a 4096-token response's log-probs encode in 0.1 ms packed
+#: against 1.9 ms as JSON, and decode in 0.13 against 1.2 ms.
+PACKED_LIST_ITEMS_MIN = 64
+
 #: A write larger than this goes down in slices of this size, each handed to the kernel's
 #: writeback as soon as it is written (``posix.pwrite_all``), so the disk works while the next
 #: slice is copied and the extent's ``fdatasync`` waits only for the tail. Measured on ext4 with

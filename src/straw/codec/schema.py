@@ -11,7 +11,10 @@ stored bytes never make straw import a module.
 
 from __future__ import annotations
 
+import array
 import base64
+import binascii
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -27,8 +30,8 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from .. import protocol
-from ..errors import CorruptData, ResourceLimitExceeded, UnsupportedSchema
-from ..limits import INLINE_BYTES_MAX, NESTING_DEPTH_MAX, PART_ID_BYTES_MAX
+from ..errors import CorruptData, ResourceLimitExceeded, UnsupportedSchema, invariant
+from ..limits import INLINE_BYTES_MAX, NESTING_DEPTH_MAX, PACKED_LIST_ITEMS_MIN, PART_ID_BYTES_MAX
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -274,9 +277,10 @@ _PLAIN_TYPES = frozenset({type(None), bool, int, str})
 _SUMMABLE = frozenset({bool, int, float})
 
 
-def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
+def _plain(items: list[Any] | tuple[Any, ...], types: set[type] | None = None) -> bool:
     """Whether a sequence holds only JSON scalars (the fast path for token ids and log-probs)."""
-    types = set(map(type, items))
+    if types is None:
+        types = set(map(type, items))
     if types <= _PLAIN_TYPES:
         return True
     if not types <= _PLAIN_TYPES | {float}:
@@ -295,6 +299,36 @@ def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
 
 _NOT_LEAF = object()
 
+#: A packed list's dtype (docs/FORMAT.md section 10.5) and the ``array`` type code holding it.
+_PACKED = {"i4": "i", "i8": "q", "f8": "d"}
+invariant(
+    all(array.array(code).itemsize == int(dtype[1]) for dtype, code in _PACKED.items()),
+    "array type codes have the sizes the packed dtypes name",
+)
+
+
+def _packed(dtype: str, values: array.array[Any]) -> dict[str, Any]:
+    if sys.byteorder == "big":
+        values.byteswap()  # stored little-endian
+    return {"t": "list", "dtype": dtype, "b64": binascii.b2a_base64(values, newline=False).decode("ascii")}
+
+
+def _scalar_list(items: list[Any]) -> Any:
+    """The node of a list that is a leaf, else ``_NOT_LEAF``. A long list of only ints (each
+    within int64) or only floats is packed: its little-endian binary in base64, which encodes
+    and decodes several times faster than JSON numbers (log-probs: about 10x). Shorter lists
+    of JSON scalars are themselves."""
+    types = set(map(type, items))
+    if len(items) >= PACKED_LIST_ITEMS_MIN and len(types) == 1:
+        kind = next(iter(types))
+        if kind is float:
+            return _packed("f8", array.array("d", items))
+        if kind is int:
+            for dtype in ("i4", "i8"):
+                with contextlib.suppress(OverflowError):
+                    return _packed(dtype, array.array(_PACKED[dtype], items))
+    return list(items) if _plain(items, types) else _NOT_LEAF
+
 
 def _leaf(value: Any) -> Any:
     """The node of a value that needs no path, memo or cycle check (``_NOT_LEAF`` otherwise).
@@ -308,8 +342,8 @@ def _leaf(value: Any) -> Any:
         return value
     if kind is float:
         return value if math.isfinite(value) else _NOT_LEAF
-    if kind is list and _plain(value):
-        return list(value)
+    if kind is list:
+        return _scalar_list(value)
     return _NOT_LEAF
 
 
@@ -426,8 +460,9 @@ class _Encoder:
         if kind is float:
             return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
         if kind is list:
-            if _plain(value):
-                return list(value)
+            leaf = _scalar_list(value)
+            if leaf is not _NOT_LEAF:
+                return leaf
             self.enter(value, depth)
             out = [self.child(f"[{i}]", item, depth) for i, item in enumerate(value)]
             self.leave(value)
@@ -783,6 +818,9 @@ class _Reader:
                 if indices is None:
                     out[key] = self.node(value_node, 1)
                     continue
+                packed = isinstance(value_node, dict) and value_node.get("t") == "list"
+                if packed:
+                    value_node = self.node(value_node, 1)  # a packed list: its items are values already
                 if not isinstance(value_node, list):
                     raise ValueError(f"select=[{key!r}] lists indices, but that value is not a list")
                 for index in indices:
@@ -790,7 +828,10 @@ class _Reader:
                         raise ValueError(
                             f"select=[{key!r}] holds index {index}; the list has {len(value_node)}"
                         )
-                out[key] = [self.node(value_node[index], 2) for index in indices]
+                if packed:
+                    out[key] = [value_node[index] for index in indices]
+                else:
+                    out[key] = [self.node(value_node[index], 2) for index in indices]
         except (KeyError, TypeError) as error:
             raise CorruptData(f"malformed dict root in a sample document: {error!r}") from None
         missing = [key for key in select if key not in found]
@@ -857,6 +898,14 @@ def _bytes(reader: _Reader, node: Mapping[str, Any], depth: int) -> bytes | byte
     else:
         data = reader.referenced(node, "r", node["t"], lambda r: reader.decoder.part(r, "bytes", node))
     return bytearray(data) if node["t"] == "bytearray" else bytes(data)
+
+
+def _packed_list(reader: _Reader, node: Mapping[str, Any], depth: int) -> list[Any]:
+    values = array.array(_PACKED[_text(node["dtype"])])
+    values.frombytes(base64.b64decode(_text(node["b64"]), validate=True))  # ValueError: not whole items
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
 
 
 def _part(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
@@ -976,6 +1025,7 @@ def _text(value: object) -> str:
 
 _HANDLERS: dict[str, Callable[[_Reader, Mapping[str, Any], int], Any]] = {
     "float": _float,
+    "list": _packed_list,
     "tuple": _tuple,
     "dict": _dict,
     "bytes": _bytes,
