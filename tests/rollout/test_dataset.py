@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import random
@@ -196,6 +198,29 @@ def test_rows_become_samples() -> None:
     assert (a.prompt, a.label, a.metadata) == ("a", "x", {"k": 1})
     assert (b.prompt, b.label, b.metadata) == ("b", None, {})
     assert c.prompt == template.prompt and c is not template and c.index == 2 and template.index is None
+
+
+def test_group_members_are_deep_copies_independent_of_each_other_and_of_the_row() -> None:
+    row = {"q": [{"role": "user", "content": "hi"}], "ans": {"x": [1]}, "meta": {"k": [1, 2]}}
+    template = Sample(prompt=[{"role": "user", "content": "t"}], metadata={"m": [0]}, tokens=[5])
+    producer = PromptProducer(
+        Rows([row, template]), n_samples_per_prompt=3, shuffle=False, seed=0,
+        input_key="q", label_key="ans", metadata_key="meta",
+    )  # fmt: skip
+    (first, second), _ = producer.draw(2, DatasetCursor())
+    for group, source in ((first, producer.prompt(row)), (second, template)):
+        for sample in group:  # each member is what a deep copy of the prompt gives, numbered
+            expected = copy.deepcopy(source)
+            expected.group_index, expected.index = sample.group_index, sample.index
+            assert dataclasses.asdict(sample) == dataclasses.asdict(expected)
+        group[0].prompt[0]["content"] = "changed"
+        group[0].metadata.setdefault("m", [0]).append(9)
+        group[0].tokens.append(7)
+        assert all(s.prompt[0]["content"] != "changed" for s in group[1:])
+        assert all(s.metadata.get("m", [0]) == [0] and s.tokens == source.tokens for s in group[1:])
+    assert row == {"q": [{"role": "user", "content": "hi"}], "ans": {"x": [1]}, "meta": {"k": [1, 2]}}
+    assert first[1].label is not first[2].label and first[1].label == {"x": [1]}
+    assert template.prompt[0]["content"] == "t" and template.tokens == [5]
 
 
 def test_producer_takes_column_names_from_a_jsonl_dataset(tmp_path: Path) -> None:

@@ -216,10 +216,11 @@ class PromptProducer:
         for _ in range(count):
             if offset >= size:
                 epoch, offset = epoch + 1, 0
-            prompt = self.prompt(self.dataset[self.order(epoch, size)[offset]])
+            row = self.dataset[self.order(epoch, size)[offset]]
+            prompt = self.prompt(row)
             group = []
             for _ in range(self.n_samples_per_prompt):
-                sample = copy.deepcopy(prompt)
+                sample = copy.deepcopy(prompt) if isinstance(row, Sample) else _fresh(prompt)
                 sample.group_index = group_index
                 sample.index = sample_index
                 sample_index += 1
@@ -231,3 +232,14 @@ class PromptProducer:
             epoch, offset = epoch + 1, 0
         after = DatasetCursor(epoch, offset, group_index, sample_index, copy.deepcopy(cursor.metadata))
         return groups, after
+
+
+def _fresh(prompt: Sample) -> Sample:
+    """A new Sample equal to ``copy.deepcopy(prompt)`` for a prompt that sets only its prompt,
+    label and metadata (as :meth:`PromptProducer.prompt` makes them): those three are copied
+    deeply and every other field is its default, without walking the whole dataclass."""
+    return Sample(
+        prompt=copy.deepcopy(prompt.prompt),
+        label=copy.deepcopy(prompt.label),
+        metadata=copy.deepcopy(prompt.metadata),
+    )
