@@ -89,24 +89,35 @@ R = TypeVar("R")
 # --------------------------------------------------------------------------- logical identity
 
 
-def logical_digest(entries: Sequence[frame.IndexEntry | Entry], dependency_digests: Sequence[str]) -> str:
+def logical_digest(
+    entries: Sequence[frame.IndexEntry | Entry | frame.Row], dependency_digests: Sequence[str]
+) -> str:
     """The layout-independent identity of a record set (docs/FORMAT.md section "Logical digest").
 
     ``digest({"v": ..., "records": [[id, codec, metadata, tokens, length, content], ...],
     "deps": [...]})``, composed from parts (keys in sorted order) so that a record's metadata
-    is encoded once per write (``Entry.meta_text``); a property test holds the two equal.
+    is encoded once per write (``Entry.meta_text``) and never decoded when verifying (an index
+    row's pairs give its text); property tests hold the composed text equal to the whole.
     """
     number = int.__repr__
-    rows = ",".join(
-        [
-            f"[{quote(e.record_id)},{quote(e.codec)},{_meta_text(e)},{number(e.tokens)},"
-            f"{number(_length(e))},{quote(e.content)}]"
-            for e in entries
-        ]
-    )
+    rows = ",".join([_record_text(e) for e in entries])
     deps = encode_text(list(dependency_digests))
     text = f'{{"deps":{deps},"records":[{rows}],"v":{number(frame.FORMAT_VERSION)}}}'
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _record_text(e: frame.IndexEntry | Entry | frame.Row) -> str:
+    """One record's ``[id, codec, metadata, tokens, length, content]`` as canonical JSON text."""
+    number = int.__repr__
+    if isinstance(e, (Entry, frame.IndexEntry)):
+        return (
+            f"[{quote(e.record_id)},{quote(e.codec)},{_meta_text(e)},{number(e.tokens)},"
+            f"{number(_length(e))},{quote(e.content)}]"
+        )
+    return (  # an index row (frame.Row)
+        f"[{quote(e[0])},{quote(e[1])},{frame.row_meta_text(e)},{number(e[2])},"
+        f"{number(frame.row_length(e))},{quote(e[5])}]"
+    )
 
 
 def _meta_text(entry: frame.IndexEntry | Entry) -> str:
@@ -383,13 +394,13 @@ class ReadSession:
             except InvalidReference as error:
                 raise CorruptData(f"manifest names a record that does not exist: {error}") from None
         dependencies = tuple(self._dependency(d, top.segment) for d in manifest.dependencies)
-        entries = [r.entry for r in records]
-        if logical_digest(entries, [d.digest for d in dependencies]) != manifest.digest:
+        rows = [r.index.rows[r.ordinal] for r in records]  # (no entry is built: nothing decoded)
+        if logical_digest(rows, [d.digest for d in dependencies]) != manifest.digest:
             raise CorruptData("manifest digest does not match its records (damaged manifest)")
         # Usage counts what the set reaches: its records plus each dependency, once per edge.
-        payload = sum(e.length for e in entries) + sum(d.payload_bytes for d in dependencies)
-        tokens = sum(e.tokens for e in entries) + sum(d.tokens for d in dependencies)
-        if (ref.records, ref.payload_bytes, ref.tokens) != (len(entries), payload, tokens):
+        payload = sum(map(frame.row_length, rows)) + sum(d.payload_bytes for d in dependencies)
+        tokens = sum(row[2] for row in rows) + sum(d.tokens for d in dependencies)
+        if (ref.records, ref.payload_bytes, ref.tokens) != (len(rows), payload, tokens):
             raise InvalidReference(
                 "the reference's usage counts do not match its manifest (records, payload bytes, tokens)"
             )

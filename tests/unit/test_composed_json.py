@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from straw._pack import frame
 from straw._pack.writer import Entry, owned_metadata
-from straw.protocol import encode, encode_text
+from straw.limits import CHUNK_BYTES
+from straw.protocol import decode, encode, encode_text
 from straw.store import logical_digest
 
 _texts = st.text(
@@ -90,3 +91,26 @@ def test_the_composed_logical_digest_is_the_digest_of_the_document(
     expected = _legacy_digest(rows, deps)
     assert logical_digest(entries, deps) == expected  # a write's entries (text given or not)
     assert logical_digest(indexed, deps) == expected  # entries read back from an index
+    index = frame.Index("s", CHUNK_BYTES, indexed)
+    assert logical_digest(list(index.rows), deps) == expected  # an index's rows, nothing decoded
+    parsed = [_as_parsed(e) for e in indexed]
+    assert logical_digest(parsed, deps) == expected  # rows as an index frame's parse lays them out
+
+
+@settings(max_examples=300, deadline=None)
+@given(entry=_index_entries())
+def test_a_rows_metadata_text_is_its_metadatas_canonical_text(entry: frame.IndexEntry) -> None:
+    (row,) = frame.Index("s", CHUNK_BYTES, [entry]).rows
+    assert frame.row_meta_text(row) == encode_text(frame.Index.of_rows("s", CHUNK_BYTES, (row,)).metadata(0))
+    assert frame.row_meta_text(_as_parsed(entry)) == encode_text(entry.metadata)
+
+
+def _as_parsed(entry: frame.IndexEntry) -> frame.Row:
+    """The row parsing an index frame gives: metadata decoded from its canonical (sorted) text."""
+    metadata = decode(encode(entry.metadata))
+    if entry.inline is not None:
+        return frame.inline_row(entry.record_id, entry.inline)
+    return frame.entry_row(
+        entry.record_id, entry.codec, metadata, entry.tokens, entry.offset, entry.length, entry.content,
+        entry.chunks,
+    )  # fmt: skip

@@ -26,7 +26,7 @@ from ..limits import (
     SUBMISSION_ID_BYTES_MAX,
     TOKENS_MAX,
 )
-from ..protocol import decode, encode, quote
+from ..protocol import decode, encode, encode_text, quote
 
 FORMAT_VERSION = 1
 PACK_MAGIC = b"STRWPACK"
@@ -234,6 +234,22 @@ def _entry_row(entry: IndexEntry) -> Row:
 
 def _value(stored: Any) -> Any:
     return decode(stored) if type(stored) is bytes else stored
+
+
+def row_meta_text(row: Row) -> str:
+    """The canonical JSON text of a row's metadata (``encode_text(metadata)``), composed from the
+    row's pairs: a list or object value is its canonical text already, so nothing is decoded
+    (verifying a record set recomputes its digest from every record's metadata text)."""
+    if len(row) == _PAIRS:
+        return "{}"
+    pairs = sorted(zip(row[_PAIRS::2], row[_PAIRS + 1 :: 2], strict=True))
+    text = ",".join(
+        [
+            f"{quote(key)}:{value.decode() if type(value) is bytes else encode_text(value)}"
+            for key, value in pairs
+        ]
+    )
+    return f"{{{text}}}"
 
 
 def _row_metadata(row: Row) -> dict[str, Any]:
