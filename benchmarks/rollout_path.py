@@ -337,6 +337,24 @@ def ray_path(args: SimpleNamespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- straw's own cost
 
 
+def sync_p50_ms(directory: str, count: int = 200) -> float:
+    """A bare 4 KiB append plus ``fdatasync`` in ``directory``, p50: what one of the syncs in the
+    per-group cost costs on this disk at this moment (it varies with the machine's I/O load)."""
+    path = os.path.join(directory, "sync-probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    times = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            os.write(fd, bytes(4096))
+            os.fdatasync(fd)
+            times.append(time.perf_counter() - started)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return 1e3 * statistics.median(times)
+
+
 def overhead(args: SimpleNamespace) -> dict[str, Any]:
     """Per-group cost of straw's calls with a tiny payload (one process): take, publish+complete,
     and the manager's accept + build + rank loads spread over the groups."""
@@ -373,6 +391,7 @@ def overhead(args: SimpleNamespace) -> dict[str, Any]:
         controller.close()
     return {
         "group_ms_p50": 1e3 * statistics.median(per_group),
+        "sync_ms_p50": sync_p50_ms(args.pool),
         "group_ms_p90": 1e3 * statistics.quantiles(per_group, n=10)[-1],
         "manager_ms_per_group": 1e3 * statistics.median(manager),
     }
@@ -475,7 +494,8 @@ def report_runs(results: dict[str, list[dict[str, Any]]], args: argparse.Namespa
         for i, o in enumerate(results.get(name, [])):
             print(
                 f"{name} #{i + 1}: per group p50 {o['group_ms_p50']:.2f} ms (p90 {o['group_ms_p90']:.2f}), "
-                f"manager {o['manager_ms_per_group']:.2f} ms per group"
+                f"manager {o['manager_ms_per_group']:.2f} ms per group; "
+                f"a bare append + fdatasync there: {o.get('sync_ms_p50', float('nan')):.3f} ms"
             )
     for i, levels in enumerate(results.get("scheduling", [])):
         cells = ", ".join(
