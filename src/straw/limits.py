@@ -207,10 +207,10 @@ HISTORY_FORGET_PER_CALL = 1024
 #: inflates one block; neighbouring receipts share segments and compress well together.
 HISTORY_BLOCK_ROWS = 64
 
-#: History files a lookup searches one by one before they are merged into the queue's merged
-#: hash index (``straw._queue.history.History``): a miss (every new task and submission id)
-#: then bisects that index once plus at most this many files, instead of every file (some
-#: 80 per million tasks).
+#: History files a lookup searches one by one (their hashes in memory) before the snapshot
+#: thread writes them into an index run (docs/FORMAT.md 8.5; ``straw._queue.history.History``):
+#: a miss (every new task and submission id) then probes the runs' filters plus at most this
+#: many files, instead of every file (some 115 per million tasks).
 HISTORY_UNMERGED_FILES_MAX = 4
 
 #: Entries of a history index run's page (docs/FORMAT.md 8.5): a lookup reads one page

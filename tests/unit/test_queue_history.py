@@ -646,3 +646,38 @@ def test_the_index_held_in_memory_stays_small_as_completed_history_grows(tmp_pat
     assert (at_full - at_half) / (full - half) < 3
     assert max(newest for _, _, newest, _ in footprint) <= (HISTORY_UNMERGED_FILES_MAX + 1) * 3 * 8 * batch
     assert max(live for _, _, _, live in footprint) <= 16 * batch  # not the 3840 tasks completed
+
+
+def test_a_run_that_fails_to_be_written_skips_its_snapshot_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J5 H1 for runs: a full disk while writing an index run fails that snapshot (counted); the
+    live state keeps what it had, lookups stay exact, and a later snapshot writes the run."""
+    root = str(tmp_path)
+    real = coordinator_module.durable.replace_file
+    failing = {"on": True}
+
+    def replace_file(path: str, *args: object, **kwargs: object) -> None:
+        if failing["on"] and path.endswith(history.RUN_SUFFIX):
+            raise OSError(28, "No space left on device")
+        real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(coordinator_module.durable, "replace_file", replace_file)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
+        done = _work(coord, TASKS - 2, "w1")
+        assert coord.metrics()["counters"]["snapshots_failed"] > 0
+        assert not coord._state.history.runs and not _run_files(root)
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+        failing["on"] = False
+        coord._journal.snapshot_bytes = 0
+        done += _work(coord, 1, "w1")
+        assert coord._state.history.runs
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+            assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]

@@ -21,7 +21,7 @@ import array
 import bisect
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import xxhash
@@ -679,7 +679,8 @@ class History:
         then the in-memory merged index's, then each file neither covers, newest first."""
         wanted = key_hash(key)
         merged, rest, _ = self._covered()
-        candidates: list[Iterator[tuple[int, int]]] = [run.find(index, wanted) for run in reversed(self.runs)]
+        # A run's filter first (no generator for the runs it rules out: every miss asks them all).
+        candidates = [run.find(index, wanted) for run in reversed(self.runs) if run.holds(index, wanted)]
         if merged is not None:
             candidates.insert(0, merged[index].find(wanted))
         for found_at in candidates:
@@ -825,23 +826,24 @@ def build_filter(hashes: Any, size: int) -> bytes:
 
 def filter_holds(bits: bytes, wanted: int) -> bool:
     """Whether ``wanted`` may be among the hashes of filter ``bits`` (never False for one that is)."""
-    size = len(bits) * 8
-    low, step = wanted & 0xFFFFFFFF, (wanted >> 32) | 1
-    for k in range(HISTORY_RUN_FILTER_PROBES):
-        at = (low + k * step) % size
+    size = len(bits) << 3
+    at, step = wanted & 0xFFFFFFFF, (wanted >> 32) | 1
+    for _ in range(HISTORY_RUN_FILTER_PROBES):
+        at %= size
         if not bits[at >> 3] >> (at & 7) & 1:
             return False
+        at += step
     return True
 
 
 def build_run(
-    first: int, files: Sequence[HistoryFile], entries: Sequence[Any], digest: int
+    first: int, files: Sequence[HistoryFile], entries: Iterable[Any], digest: int
 ) -> tuple[list[bytes], int]:
     """The bytes of an index run (pure) over ``files`` numbered from ``first``, and its checksum.
-    ``entries`` holds, per index, a numpy (n, 2) u64 array of entries sorted by hash."""
+    ``entries`` yields, per index, a numpy (n, 2) u64 array of entries sorted by hash."""
     header = RUN_HEADER.pack(RUN_MAGIC, RUN_VERSION, 0, first, len(files))
-    pages, fences, filters = [], [], []
-    for table in entries:
+    pages, fences, filters, sizes = [], [], [], []
+    for table in entries:  # one index's array at a time (``run_entries`` yields them)
         data = table.tobytes()
         step = RUN_ENTRY.size * HISTORY_RUN_PAGE_ENTRIES
         pages.append(data)
@@ -850,7 +852,9 @@ def build_run(
                 RUN_FENCE.pack(int(table[at // RUN_ENTRY.size, 0]), _row_hash(data[at : at + step]))
             )
         filters.append(build_filter(table[:, 0], filter_bytes(len(table))))
-    counts = [len(t) for t in entries] + [len(f) for f in filters]
+        sizes.append(len(table))
+        del table
+    counts = sizes + [len(f) for f in filters]
     body = RUN_TRAILER.pack(RUN_END_MAGIC, *counts, digest, 0)[: -_U64.size]
     fence_bytes, filter_blob = b"".join(fences), b"".join(filters)
     checksum = _row_hash(header + fence_bytes + filter_blob + body)
@@ -965,6 +969,10 @@ class IndexRun:
             raise self._corrupt(f"page {page} of index {kind} does not match its checksum")
         return memoryview(data).cast("Q")
 
+    def holds(self, kind: int, wanted: int) -> bool:
+        """Whether index ``kind`` may hold ``wanted`` (its filter, in memory once loaded)."""
+        return filter_holds((self._loaded or self.load())[2][kind], wanted)
+
     def find(self, kind: int, wanted: int) -> Iterator[tuple[int, int]]:
         """(file number, place) of each entry of index ``kind`` whose hash is ``wanted``."""
         firsts, _, filters = self.load()
@@ -1013,12 +1021,12 @@ class IndexRun:
         self._source.close()
 
 
-def run_entries(runs: Sequence[IndexRun], files: Sequence[HistoryFile], start: int) -> list[Any]:
+def run_entries(runs: Sequence[IndexRun], files: Sequence[HistoryFile], start: int) -> Iterator[Any]:
     """The entries of a run covering ``runs`` (each read back) and then ``files`` numbered from
-    ``start`` (their checked indexes), per index sorted by hash; equal hashes keep file order."""
+    ``start`` (their checked indexes), per index sorted by hash; equal hashes keep file order.
+    One index at a time, so a build holds one index's temporaries at once."""
     import numpy as np
 
-    out = []
     for kind in range(KINDS):
         parts = [run.read(kind) for run in runs]
         for number, file in enumerate(files, start):
@@ -1029,9 +1037,10 @@ def run_entries(runs: Sequence[IndexRun], files: Sequence[HistoryFile], start: i
             parts.append(part)
         joined = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.uint64)
         order = np.argsort(joined[:, 0], kind="stable")
-        out.append(np.ascontiguousarray(joined[order]))
+        table = np.ascontiguousarray(joined[order])
         del joined, order, parts
-    return out
+        yield table
+        del table
 
 
 def open_runs(
