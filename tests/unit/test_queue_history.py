@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import tracemalloc
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -684,3 +685,35 @@ def test_a_run_that_fails_to_be_written_skips_its_snapshot_and_loses_nothing(
         for receipt, _, _ in done:
             assert coord.lookup_submission(receipt.submission_id) == receipt
             assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]
+
+
+def test_building_a_run_holds_about_twice_its_bytes_at_once() -> None:
+    """Counted with tracemalloc, not timed: a run build (the snapshot thread's transient, bounded
+    by HISTORY_RUN_ENTRIES_MAX) holds under 40 bytes per entry at its peak plus a constant, the
+    run's own 16 included (one index's temporaries at a time, its filter built in chunks,
+    absorbed runs freed before the sort); the build held about 60 before."""
+    files = []
+    for number in range(4):
+        keys = [f"k{number}-{i}" for i in range(25_000)]
+        chunks, checksum = history.build(number, 0, [(k, [k]) for k in keys], [], {"counts": {}}, [])
+        data = b"".join(chunks)
+        files.append(history.HistoryFile(f"f{number}", _Bytes(f"f{number}", data), len(data), checksum))
+        files[-1].load()
+    first = history.build_run(
+        0, files[:2], history.run_entries([], files[:2], 0), history.covered_digest(files[:2])
+    )
+    data = b"".join(first[0])
+    absorbed = history.IndexRun("r", _Bytes("r", data), len(data), first[1], 0, 2)
+    absorbed.load()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        chunks, _ = history.build_run(
+            0, files, history.run_entries([absorbed], files[2:], 2), history.covered_digest(files)
+        )
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    entries = 4 * 25_000
+    assert sum(len(c) for c in chunks) > 16 * entries
+    assert peak < 40 * entries + 4 * 2**20  # plus the filter's chunk of temporaries, a constant

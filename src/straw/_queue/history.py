@@ -803,13 +803,8 @@ def filter_bytes(keys: int) -> int:
     return 8 * max(1, -(-keys * HISTORY_RUN_FILTER_BITS // 64))
 
 
-def _filter_positions(hashes: Any, bits: int) -> Any:
-    """The bit positions a filter of ``bits`` bits sets for each hash (numpy, one row per probe)."""
-    import numpy as np
-
-    low = hashes & np.uint64(0xFFFFFFFF)
-    step = (hashes >> np.uint64(32)) | np.uint64(1)
-    return [(low + np.uint64(k) * step) % np.uint64(bits) for k in range(HISTORY_RUN_FILTER_PROBES)]
+#: Hashes a filter build handles at once: its temporaries stay a few MiB whatever the run's size.
+_FILTER_CHUNK = 1 << 16
 
 
 def build_filter(hashes: Any, size: int) -> bytes:
@@ -818,10 +813,18 @@ def build_filter(hashes: Any, size: int) -> bytes:
     ``k`` with ``lo`` its low 32 bits and ``hi`` its high 32 bits with the lowest bit set."""
     import numpy as np
 
-    seen = np.zeros(size * 8, dtype=bool)
-    for positions in _filter_positions(hashes, size * 8):
-        seen[positions.astype(np.int64)] = True
-    return bytes(np.packbits(seen, bitorder="little").tobytes())
+    bits = np.zeros(size, dtype=np.uint8)
+    total = np.uint64(size * 8)
+    for start in range(0, len(hashes), _FILTER_CHUNK):
+        chunk = hashes[start : start + _FILTER_CHUNK]
+        at = chunk & np.uint64(0xFFFFFFFF)
+        step = (chunk >> np.uint64(32)) | np.uint64(1)
+        for _ in range(HISTORY_RUN_FILTER_PROBES):
+            at %= total
+            masks = np.left_shift(np.uint8(1), (at & np.uint64(7)).astype(np.uint8))
+            np.bitwise_or.at(bits, (at >> np.uint64(3)).astype(np.intp), masks)
+            at += step
+    return bits.tobytes()
 
 
 def filter_holds(bits: bytes, wanted: int) -> bool:
@@ -841,19 +844,21 @@ def build_run(
 ) -> tuple[list[bytes], int]:
     """The bytes of an index run (pure) over ``files`` numbered from ``first``, and its checksum.
     ``entries`` yields, per index, a numpy (n, 2) u64 array of entries sorted by hash."""
+    import numpy as np
+
     header = RUN_HEADER.pack(RUN_MAGIC, RUN_VERSION, 0, first, len(files))
     pages, fences, filters, sizes = [], [], [], []
     for table in entries:  # one index's array at a time (``run_entries`` yields them)
         data = table.tobytes()
+        del table  # its bytes are all a build needs from here (less memory at once)
+        hashes = np.frombuffer(data, dtype=np.uint64)[0::2]
         step = RUN_ENTRY.size * HISTORY_RUN_PAGE_ENTRIES
         pages.append(data)
         for at in range(0, len(data), step):
-            fences.append(
-                RUN_FENCE.pack(int(table[at // RUN_ENTRY.size, 0]), _row_hash(data[at : at + step]))
-            )
-        filters.append(build_filter(table[:, 0], filter_bytes(len(table))))
-        sizes.append(len(table))
-        del table
+            fences.append(RUN_FENCE.pack(int(hashes[at // RUN_ENTRY.size]), _row_hash(data[at : at + step])))
+        filters.append(build_filter(hashes, filter_bytes(len(hashes))))
+        sizes.append(len(hashes))
+        del hashes
     counts = sizes + [len(f) for f in filters]
     body = RUN_TRAILER.pack(RUN_END_MAGIC, *counts, digest, 0)[: -_U64.size]
     fence_bytes, filter_blob = b"".join(fences), b"".join(filters)
@@ -1036,9 +1041,10 @@ def run_entries(runs: Sequence[IndexRun], files: Sequence[HistoryFile], start: i
             part[:, 1] = np.uint64(number) | (np.arange(len(own), dtype=np.uint64) << np.uint64(32))
             parts.append(part)
         joined = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.uint64)
+        del parts  # the runs' bytes read back: freed before the sort
         order = np.argsort(joined[:, 0], kind="stable")
-        table = np.ascontiguousarray(joined[order])
-        del joined, order, parts
+        table = joined[order]
+        del joined, order
         yield table
         del table
 
