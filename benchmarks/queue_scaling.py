@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import array
 import json
+import math
 import os
 import resource
 import shutil
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 
 from straw import coordinator as coordinator_module
 from straw.coordinator import Coordinator
@@ -181,9 +183,42 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] if ordered else 0.0
+class _Latencies:
+    """Latencies in a fixed histogram (buckets 1% apart from 1 us), one per worker thread: the
+    history runs measure the coordinator's RSS, and a C double per call (80 MB at 10M tasks)
+    counted in it as if the queue held it. The maximum and the calls over STALL_S are exact;
+    a percentile is its bucket's upper bound (within 1%)."""
+
+    RATIO = 1.01
+    LOW = 1e-6
+    BUCKETS = 2000  # up to about 440 s
+
+    def __init__(self) -> None:
+        self.counts = array.array("Q", bytes(8 * self.BUCKETS))
+        self.total = self.stalls = 0
+        self.max = 0.0
+
+    def add(self, seconds: float) -> None:
+        at = 0 if seconds <= self.LOW else int(math.log(seconds / self.LOW, self.RATIO)) + 1
+        self.counts[min(at, self.BUCKETS - 1)] += 1
+        self.total += 1
+        self.stalls += seconds > STALL_S
+        self.max = max(self.max, seconds)
+
+    def merge(self, other: _Latencies) -> None:
+        for at, count in enumerate(other.counts):
+            self.counts[at] += count
+        self.total += other.total
+        self.stalls += other.stalls
+        self.max = max(self.max, other.max)
+
+    def percentile(self, fraction: float) -> float:
+        wanted, seen = min(self.total - 1, int(self.total * fraction)), 0
+        for at, count in enumerate(self.counts):
+            seen += count
+            if seen > wanted:
+                return min(self.max, self.LOW * self.RATIO**at)
+        return self.max
 
 
 class _Feed:
@@ -227,12 +262,22 @@ class _Feed:
 
 def _history_workers(
     queue: Coordinator, store: SharedFilesystemStore, feed: _Feed, threads: int, batched: bool
-) -> dict[str, array.array[float]]:
-    # Latencies as C doubles: a million float objects would count in the RSS measured.
-    completes = array.array("d")
-    cycles = array.array("d")
+) -> dict[str, _Latencies]:
+    # Latencies in fixed histograms (one per thread): a value per call would count in the RSS.
+    completes = _Latencies()
+    cycles = _Latencies()
+    lock = threading.Lock()
 
     def worker(k: int) -> None:
+        own_completes, own_cycles = _Latencies(), _Latencies()
+        try:
+            _history_worker(k, own_completes, own_cycles)
+        finally:
+            with lock:
+                completes.merge(own_completes)
+                cycles.merge(own_cycles)
+
+    def _history_worker(k: int, completes: _Latencies, cycles: _Latencies) -> None:
         own = SharedFilesystemStore(store.backend.root, store.run_id)
         try:
             while True:
@@ -259,7 +304,7 @@ def _history_workers(
                             for x, r in zip(leases, refs, strict=True)
                         ]
                     )
-                    completes.append(time.perf_counter() - c0)
+                    completes.add(time.perf_counter() - c0)
                 else:
                     for lease, ref in zip(leases, refs, strict=True):
                         c0 = time.perf_counter()
@@ -269,8 +314,8 @@ def _history_workers(
                             result_ref=ref,
                             result_digest=ref.digest,
                         )
-                        completes.append(time.perf_counter() - c0)
-                cycles.append((time.perf_counter() - t0) / len(leases))
+                        completes.add(time.perf_counter() - c0)
+                cycles.add((time.perf_counter() - t0) / len(leases))
                 feed.done(len(leases))
         finally:
             own.close()
@@ -282,6 +327,46 @@ def _history_workers(
     for thread in pool:
         thread.join()
     return {"complete": completes, "cycle": cycles}
+
+
+#: Lines of the allocation census (``--census``).
+CENSUS_LINES = 25
+
+
+def _print_census(completed: int) -> None:
+    """The live allocations at the end of a history run grouped by where they were made, to
+    stderr; with ``--census`` each run also saves its snapshot, and the second run's census
+    lists what grew against the first (what grows with completed history)."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen *>"))
+    )
+    total = sum(stat.size for stat in snapshot.statistics("filename"))
+    out = sys.stderr
+    out.write(f"census at {completed} completed: {total / 2**20:.1f} MiB traced\n")
+    for stat in snapshot.statistics("lineno")[:CENSUS_LINES]:
+        out.write(f"  {stat.size / 2**20:8.2f} MiB {stat.count:>9} blocks  {stat.traceback[0]}\n")
+    previous = _CENSUS.get("last")
+    if previous is not None:
+        before, count = previous
+        grown = snapshot.compare_to(before, "traceback")
+        out.write(f"grew from {count} to {completed} completed (bytes per added task):\n")
+        for diff in grown[:CENSUS_LINES]:
+            per = diff.size_diff / max(1, completed - count)
+            out.write(
+                f"  {diff.size_diff / 2**20:+8.2f} MiB {per:7.1f} B/task  {diff.count_diff:+9} blocks\n"
+            )
+            for frame in diff.traceback.format()[-2 * CENSUS_FRAMES :]:
+                out.write(f"      {frame}\n")
+    _CENSUS["last"] = (snapshot, completed)
+    if _CENSUS_DUMP:
+        snapshot.dump(f"{_CENSUS_DUMP[0]}.{completed}")  # compare runs of separate processes later
+    out.flush()
+
+
+#: Frames kept per allocation by ``--census`` (the census groups by these tracebacks).
+CENSUS_FRAMES = 4
+_CENSUS: dict[str, tuple[tracemalloc.Snapshot, int]] = {}
+_CENSUS_DUMP: list[str] = []
 
 
 def _queue_bytes(directory: str) -> int:
@@ -302,11 +387,13 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
     times = _history_workers(queue, store, _Feed(queue, completed), threads, batched)
     work_s = time.perf_counter() - t0
     rss_live = _rss_bytes()
+    if tracemalloc.is_tracing():
+        _print_census(completed)
     metrics = queue.metrics()
     snapshots = metrics["journal"]["snapshots"]  # taken during the run (close adds one)
     # The longest copy of the state a snapshot took under the lock (J5.1; absent before it).
     copy_ms = metrics.get("snapshot_copy_seconds_max", float("nan")) * 1e3
-    completes, cycles = times["complete"].tolist(), times["cycle"].tolist()  # after the RSS read
+    completes, cycles = times["complete"], times["cycle"]
     t0 = time.perf_counter()
     queue.close()
     close_s = time.perf_counter() - t0
@@ -316,10 +403,10 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
         "batched": batched,
         "rss_live_mib": rss_live / 2**20,
         "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "complete_max_ms": max(completes) * 1e3,
-        "complete_p99_ms": _percentile(completes, 0.99) * 1e3,
-        "stalls_over_100ms": sum(1 for t in completes if t > STALL_S),
-        "cycle_p50_ms": statistics.median(cycles) * 1e3,
+        "complete_max_ms": completes.max * 1e3,
+        "complete_p99_ms": completes.percentile(0.99) * 1e3,
+        "stalls_over_100ms": completes.stalls,
+        "cycle_p50_ms": cycles.percentile(0.5) * 1e3,
         "tasks_s": completed / work_s,
         "close_s": close_s,
         "queue_bytes_per_task": _queue_bytes(queue.directory) / completed,
@@ -405,6 +492,15 @@ def main() -> None:
         "mid-run snapshots at smaller counts",
     )
     parser.add_argument("--batched", action="store_true", help="history runs complete with complete_tasks")
+    parser.add_argument(
+        "--census",
+        action="store_true",
+        help="trace allocations (slower) and print, after each history run, the top live allocations "
+        "by file:line and what grew since the previous run",
+    )
+    parser.add_argument(
+        "--census-dump", default=None, help="with --census: save each snapshot to PATH.<count>"
+    )
     parser.add_argument("--reopen", default=None, help=argparse.SUPPRESS)  # the history child
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -429,6 +525,10 @@ def main() -> None:
         )
     if args.snapshot_mib is not None:
         coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN = int(args.snapshot_mib * 2**20)
+    if args.census:
+        tracemalloc.start(CENSUS_FRAMES)
+        if args.census_dump:
+            _CENSUS_DUMP.append(args.census_dump)
     hist = [history(root, int(n), batched=args.batched) for n in args.history.split(",") if n]
     if hist:
         print_history(hist)

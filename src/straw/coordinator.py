@@ -160,8 +160,10 @@ class _Spilled:
     request_ids: list[str]
     #: ``ref_packs`` keys the snapshot pruned (no root names them), forgotten like the tasks.
     reach_keys: list[str]
-    #: The copy's merged hash indexes over every file up to this one, if it was time to merge.
-    merged: history_files.MergedIndexes | None = None
+    #: The copy's index runs (docs/FORMAT.md 8.5) once it wrote a new one over the files so far.
+    runs: list[history_files.IndexRun] | None = None
+    #: The runs this snapshot wrote (closed if it never becomes durable).
+    written: list[history_files.IndexRun] = field(default_factory=list)
 
 
 class _Abandoned(Exception):
@@ -689,6 +691,8 @@ class Coordinator:
         next snapshot deletes the file."""
         if spilled is not None:
             spilled.file.close()
+            for run in spilled.written:
+                run.close()
 
     def _snapshot_bytes(self, state: QueueState) -> bytes:
         body = state_to_dict(state)
@@ -729,10 +733,54 @@ class Coordinator:
         # the same keys at H3, keeping those an event named again since the copy).
         reach_keys = state.unneeded_reach()
         state.forget_reach(reach_keys)
-        # Here, off the lock: the hashes of the files so far merged into one index, which the
-        # live state adopts with the file (H3), so its lookups never merge under the lock.
-        merged = state.history.extended() if state.history.merge_due() else None
-        return _Spilled(file, stop, task_ids, request_ids, reach_keys, merged)
+        # Here, off the lock: the hashes of the files so far go to index runs on disk, which the
+        # live state takes over with the file (H3), so its lookups never merge under the lock and
+        # its memory holds only the runs' filters and fences, not a hash per entry.
+        before = {id(run) for run in state.history.runs}
+        runs = self._write_runs(state, seq)
+        written = [run for run in runs or () if id(run) not in before]
+        return _Spilled(file, stop, task_ids, request_ids, reach_keys, runs, written)
+
+    def _write_runs(self, state: QueueState, seq: int) -> list[history_files.IndexRun] | None:
+        """J5 H1 for index runs: while more than HISTORY_UNMERGED_FILES_MAX history files of the
+        copy are outside its runs, the next run (docs/FORMAT.md 8.5) is written, synced and named
+        by D0, absorbing the newest runs no bigger than it; None if none was due."""
+        history = state.history
+        written: list[history_files.IndexRun] = []
+        try:
+            while (plan := history.run_plan()) is not None:
+                written.append(self._write_run(state, seq, plan))
+        except BaseException:
+            for run in written:
+                run.close()  # orphans: H4 of a later snapshot deletes their files
+            raise
+        return list(history.runs) if written else None
+
+    def _write_run(
+        self, state: QueueState, seq: int, plan: tuple[list[history_files.IndexRun], int, int]
+    ) -> history_files.IndexRun:
+        """One run of :meth:`_write_runs`: written by D0, listed by the copy in place of the runs
+        it absorbs."""
+        history = state.history
+        absorbed, start, stop = plan
+        first = absorbed[0].first if absorbed else start
+        covered = history.files[first:stop]
+        entries = history_files.run_entries(absorbed, history.files[start:stop], start)
+        chunks, checksum = history_files.build_run(
+            first, covered, entries, history_files.covered_digest(covered)
+        )
+        del entries
+        name = history_files.run_name(seq, stop)
+        path = os.path.join(self.directory, history_files.HIST_DIR, name)
+        self.backend.fault("before_history_write")
+        durable.replace_file(path, chunks, self.backend.sync_file, self.backend.sync_dir)
+        run = history_files.IndexRun(
+            name, history_io.FileSource(path), sum(len(c) for c in chunks), checksum, first, stop - first
+        )
+        del chunks
+        kept = history.runs[: len(history.runs) - len(absorbed)]
+        history.runs = [*kept, run]  # the copy's list; the live state takes it over at H3
+        return run
 
     def _prune_history(self, named: set[str]) -> None:
         """J5 H4, once the snapshot naming ``named`` is durable: history files it does not name
@@ -741,7 +789,8 @@ class Coordinator:
         self.backend.fault("before_history_prune")
         try:
             for name in posix.listdir(directory):
-                if name.endswith(history_files.SUFFIX) and name not in named:
+                ours = name.endswith(history_files.SUFFIX) or name.endswith(history_files.RUN_SUFFIX)
+                if ours and name not in named:
                     posix.unlink_quietly(os.path.join(directory, name))
         except OSError:
             return  # the next snapshot tries again; an extra file costs only disk space
@@ -754,7 +803,8 @@ class Coordinator:
             state = self._state
             if spilled.file not in state.history.files:
                 state.attach(spilled.file)
-                state.history.adopt(spilled.merged)
+                if spilled.runs is not None:
+                    state.history.use_runs(spilled.runs)
             while budget > 0 and state.commits.base < spilled.stop:
                 cut = min(spilled.stop, state.commits.base + budget)
                 ids = state.forget_receipts(cut)

@@ -220,11 +220,28 @@ HISTORY_FORGET_PER_CALL = 1024
 #: inflates one block; neighbouring receipts share segments and compress well together.
 HISTORY_BLOCK_ROWS = 64
 
-#: History files a lookup searches one by one before they are merged into the queue's merged
-#: hash index (``straw._queue.history.History``): a miss (every new task and submission id)
-#: then bisects that index once plus at most this many files, instead of every file (some
-#: 80 per million tasks).
+#: History files a lookup searches one by one (their hashes in memory) before the snapshot
+#: thread writes them into an index run (docs/FORMAT.md 8.5; ``straw._queue.history.History``):
+#: a miss (every new task and submission id) then probes the runs' filters plus at most this
+#: many files, instead of every file (some 115 per million tasks).
 HISTORY_UNMERGED_FILES_MAX = 4
+
+#: Entries of a history index run's page (docs/FORMAT.md 8.5): a lookup reads one page
+#: (4 KiB) of a run on disk, checked against its checksum, where the run's memory keeps only
+#: each page's first hash and checksum (16 bytes per page, 1/16 byte per entry).
+HISTORY_RUN_PAGE_ENTRIES = 256
+
+#: Bits per key of a run's membership filter, and the probes each key sets: a miss (every new
+#: task, submission and request id) then reads no page of a run in about 99 cases out of 100,
+#: for 1.25 bytes of memory per key (issue 12: the in-memory merged index held 16).
+HISTORY_RUN_FILTER_BITS = 10
+HISTORY_RUN_FILTER_PROBES = 4
+
+#: Entries (tasks, submissions and requests together) of one history index run at most: the
+#: snapshot thread builds a run in memory before writing it (about 40 bytes per entry at
+#: most), so this bounds that transient; runs below it are merged as they double (a lookup
+#: probes one filter per run: one full run per million tasks or so, plus a few small ones).
+HISTORY_RUN_ENTRIES_MAX = 1 << 21
 
 #: Catalog log size after which its lock holder compacts it into a snapshot and a new log
 #: (the real threshold is the larger of this and twice the last snapshot, docs/GC.md G7).
@@ -287,6 +304,8 @@ PRODUCER_STATE_BYTES_MAX = 1 * MiB
 #: Longest ``fail_task`` failure text in UTF-8 bytes: a reason, kept with the task for good.
 FAILURE_BYTES_MAX = 64 * KiB
 
+invariant(HISTORY_RUN_PAGE_ENTRIES <= HISTORY_RUN_ENTRIES_MAX, "a run holds at least one page")
+invariant(1 <= HISTORY_RUN_FILTER_PROBES <= HISTORY_RUN_FILTER_BITS, "a filter probes a few bits per key")
 invariant(1 * MiB <= JOURNAL_SNAPSHOT_BYTES_MIN, "snapshots are not taken after every few calls")
 invariant(
     LOG_END_ZEROS_MIN <= LOG_CLOSE_ZEROS < CATALOG_PREALLOC_BYTES // 2, "a closed log keeps its end zeros"

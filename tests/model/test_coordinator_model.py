@@ -503,19 +503,22 @@ class SpillingCoordinatorModel(CoordinatorModel):
     """The same model with a snapshot at every call that no takeover (H3) holds back, in the
     calling thread (``snapshot_at_the_next_call``): what turns
     terminal moves to history files at once (docs/FORMAT.md 8.4), so every lookup below is
-    answered from disk for most of history, and must stay exact (issue 12 item 1). Files are
-    merged into the merged hash index as soon as two are outside it, so lookups go through
-    merged indexes built by the snapshot job and, after a recovery, at the first lookup."""
+    answered from disk for most of history, and must stay exact (issue 12 item 1). Files go
+    into an index run as soon as two are outside the runs, and runs hold a few entries at
+    most, so lookups go through several runs the snapshot job wrote, merged as they double,
+    live and after each recovery."""
 
     def __init__(self) -> None:
         self._saved = (
             coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN,
             coordinator_module.SNAPSHOTS_IN_BACKGROUND,
             history_module.HISTORY_UNMERGED_FILES_MAX,
+            history_module.HISTORY_RUN_ENTRIES_MAX,
         )
         coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN = 1
         coordinator_module.SNAPSHOTS_IN_BACKGROUND = False
         history_module.HISTORY_UNMERGED_FILES_MAX = 1
+        history_module.HISTORY_RUN_ENTRIES_MAX = 8
         super().__init__()
 
     def teardown(self) -> None:
@@ -526,6 +529,7 @@ class SpillingCoordinatorModel(CoordinatorModel):
                 coordinator_module.JOURNAL_SNAPSHOT_BYTES_MIN,
                 coordinator_module.SNAPSHOTS_IN_BACKGROUND,
                 history_module.HISTORY_UNMERGED_FILES_MAX,
+                history_module.HISTORY_RUN_ENTRIES_MAX,
             ) = self._saved
 
     @invariant()
@@ -542,16 +546,16 @@ class SpillingCoordinatorModel(CoordinatorModel):
             assert status is not None and (status["state"], status["failures"]) == (task.state, task.failures)
         for submission, acked in self.acked.items():
             assert self.coord.lookup_submission(submission) == acked.receipt
-        merged = self.coord._state.history.merged_indexes
-        SPILLED.append((len(self.coord._state.history.files), merged[0].count if merged else 0))
+        history = self.coord._state.history
+        SPILLED.append((len(history.files), history.run_stop))
 
 
-#: History files, and those in the merged index, seen after each step (the test below checks
-#: the model did reach the disk and the merged index).
+#: History files, and those the index runs cover, seen after each step (the test below checks
+#: the model did reach the disk and the runs).
 SPILLED: list[tuple[int, int]] = []
 
 
-def test_the_spilling_model_reaches_history_files_and_merges_them() -> None:
+def test_the_spilling_model_reaches_history_files_and_index_runs() -> None:
     _SpillingCase("runTest").runTest()
     assert max(files for files, _ in SPILLED) > 0
     assert max(merged for _, merged in SPILLED) > 1

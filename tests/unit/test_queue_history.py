@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import tracemalloc
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,6 +124,8 @@ def test_pages_of_any_size_and_cursor_cross_files_and_memory_exactly(tmp_path: P
                 page = coord.read_commits(cursor, limit)
                 assert list(page.commits) == receipts[cursor : cursor + limit], (cursor, limit)
                 assert page.cursor == min(len(receipts), cursor + limit)
+        # Paging across every file leaves a decoded block in the file read last only.
+        assert sum(f._block is not None for f in state.history.files) <= 1
         # A run of positions is one read of its entries per file, in position order.
         rows = state.history.receipts(0, state.commits.base)
         assert [row[0]["position"] for row in rows] == list(range(state.commits.base))
@@ -151,47 +154,79 @@ def _unloaded(files: list[history.HistoryFile]) -> bool:
     return all(f._hashes is None for f in files)
 
 
-def test_files_are_merged_into_one_index_off_the_lock_and_a_miss_searches_only_it(
-    tmp_path: Path,
+def _run_files(root: str) -> set[str]:
+    return {p.name for p in (Path(root) / "queue" / "hist").glob("*" + history.RUN_SUFFIX)}
+
+
+def test_files_are_indexed_by_runs_on_disk_off_the_lock_and_a_miss_reads_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(history, "HISTORY_RUN_ENTRIES_MAX", 24)  # several runs, merged as they double
     root = str(tmp_path)
     with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
-        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
-        done = _work(coord, TASKS, "w1")
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(4 * TASKS)])
+        done = _work(coord, 4 * TASKS, "w1")
         hist = coord._state.history
-        merged = hist.merged_indexes
-        assert merged is not None  # built by the snapshot job, adopted with its file (H3)
-        count = merged[0].count
-        assert len(hist.files) - count <= HISTORY_UNMERGED_FILES_MAX < len(hist.files)
-        assert _unloaded(hist.files[:count])  # the merged index replaces their hashes
-        assert len(merged[0].hashes) == sum(f.tasks for f in hist.files[:count])
-        assert list(merged[0].hashes) == sorted(merged[0].hashes)
-        # New ids miss: only the merged index and the few newer files are searched.
+        assert len(hist.runs) > 1 and hist.merged_indexes is None  # written by the snapshot job (H3)
+        assert [r.first for r in hist.runs] == [0, *(r.stop for r in hist.runs[:-1])]
+        assert len(hist.files) - hist.run_stop <= HISTORY_UNMERGED_FILES_MAX < len(hist.files)
+        assert _unloaded(hist.files[: hist.run_stop])  # the runs replace their hashes
+        for run in hist.runs:
+            covered = hist.files[run.first : run.stop]
+            assert run.counts[0] == sum(f.tasks for f in covered)
+            assert run.counts[1] == sum(f.subs for f in covered)
+            hashes = run.read(0)[:, 0].tolist()
+            assert hashes == sorted(hashes)
+        # New ids miss: the runs' filters answer from memory, no covered file is read.
         assert coord.task_status("never") is None and coord.lookup_submission("never") is None
-        assert _unloaded(hist.files[:count])
+        assert _unloaded(hist.files[: hist.run_stop])
         for receipt, _, _ in done:
             assert coord.lookup_submission(receipt.submission_id) == receipt
             assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]
+    names = {r.name for r in hist.runs}
+    assert _run_files(root) == names  # close() took every run over; absorbed runs were pruned (H4)
     with (
         SharedFilesystemStore(root, RUN) as store,
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
     ):
         hist = coord._state.history
-        assert hist.merged_indexes is None  # a reopen merges at the first lookup that needs it
+        assert {r.name for r in hist.runs} == names  # named by the snapshot, opened by their trailers
+        assert hist.merged_indexes is None
         assert coord.task_status("never") is None
-        merged = hist.merged_indexes
-        assert merged is not None and merged[0].count == len(hist.files)
-        assert _unloaded(hist.files)
+        assert hist.merged_indexes is None  # the few files after the runs are searched one by one
         for receipt, _, _ in done:
             assert coord.lookup_submission(receipt.submission_id) == receipt
+
+
+def test_a_snapshot_that_names_no_runs_still_answers_and_merges_in_memory(tmp_path: Path) -> None:
+    """Queues written before index runs (no ``history_runs`` in the snapshot) open unchanged:
+    their files are merged in memory at the first lookup, until a snapshot writes runs."""
+    root = str(tmp_path)
+    done = _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        state = coord._state
+        assert state.history.runs
+        older = state_to_dict(state)
+        del older["history_runs"]
+        opened = state_from_dict(older, LIMITS, history_io.opener(coord.directory))
+        assert not opened.history.runs and opened.history.merge_due()
+        assert opened.find_task("never") is None
+        assert opened.history.merged_indexes is not None  # the fallback, built at the first lookup
+        for receipt, _, _ in done:
+            assert opened.position_of(receipt.submission_id) == receipt.position
+            assert opened.find_task(receipt.task_id).state == "completed"  # type: ignore[union-attr]
 
 
 def test_hashes_that_collide_across_files_still_answer_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every id of the same length hashes alike: each lookup walks a run of equal hashes in
-    # the merged index and in each file, comparing the row's own key.
+    # the index runs, across their pages, and in each file, comparing the row's own key.
     monkeypatch.setattr(history, "key_hash", lambda key: len(key))
+    monkeypatch.setattr(history, "HISTORY_RUN_PAGE_ENTRIES", 2)
     root = str(tmp_path)
     done = _build(root)
     with (
@@ -199,7 +234,7 @@ def test_hashes_that_collide_across_files_still_answer_exactly(
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
     ):
         _assert_exact(coord, done)
-        assert coord._state.history.merged_indexes is not None
+        assert coord._state.history.runs
         assert coord.task_status("t99") is None  # same hash as every task id, in no file
         assert coord.lookup_submission("sub-t99") is None
 
@@ -306,7 +341,9 @@ def test_a_damaged_index_fails_the_first_lookup_naming_the_file(tmp_path: Path) 
     with (
         SharedFilesystemStore(root, RUN) as store,
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
-        pytest.raises(CorruptData, match=f"{victim.name}.*index"),
+        # A file an index run covers is reached through the run, so the damaged entry fails the
+        # block it names; either way the error names the file.
+        pytest.raises(CorruptData, match=f"{victim.name}.*(index|block)"),
     ):
         _assert_exact(coord, done)
 
@@ -492,3 +529,191 @@ def test_a_rewind_takes_back_history_that_lives_on_disk(tmp_path: Path) -> None:
             assert list(again.read_commits(0, 4).commits) == [r for r, _, _ in done]
             assert again.collect_garbage()["queue_packs"] >= 1  # the results are roots again
             assert all(len(list(store.read(r.result_ref))) == 1 for r, _, _ in done)
+
+
+class _Bytes:
+    """A history Source over bytes in memory (golden tests)."""
+
+    def __init__(self, name: str, data: bytes) -> None:
+        self.path, self._data = name, data
+
+    def size(self) -> int:
+        return len(self._data)
+
+    def pread(self, size: int, offset: int) -> bytes:
+        return self._data[offset : offset + size]
+
+    def close(self) -> None:
+        pass
+
+
+def _tiny_run() -> tuple[list[bytes], int, history.HistoryFile]:
+    chunks, checksum = history.build(
+        7, 0, [("t", ["t"])], [], {"counts": {"failed": 1}}, [("r", ["r", "f", True])]
+    )
+    data = b"".join(chunks)
+    file = history.HistoryFile(history.file_name(7), _Bytes("7", data), len(data), checksum)
+    entries = history.run_entries([], [file], 0)
+    run_chunks, run_checksum = history.build_run(0, [file], entries, history.covered_digest([file]))
+    return run_chunks, run_checksum, file
+
+
+def test_golden_bytes_of_a_tiny_index_run() -> None:
+    """docs/FORMAT.md 8.5 shows these bytes: the run over the version 2 golden file (one task,
+    no submission, one request)."""
+    chunks, checksum, _ = _tiny_run()
+    data = b"".join(chunks)
+    assert data.hex() == GOLDEN_RUN
+    assert checksum == int.from_bytes(data[-8:], "little")
+    run = history.IndexRun("r", _Bytes("r", data), len(data), checksum, 0, 1)
+    assert run.counts == (1, 0, 1) and run.filters == (8, 8, 8)
+    assert list(run.find(0, history.key_hash("t"))) == [(0, 0)]
+    assert list(run.find(2, history.key_hash("r"))) == [(0, 0)]
+    assert list(run.find(1, history.key_hash("s"))) == [] and list(run.find(0, history.key_hash("u"))) == []
+    run.verify()
+
+
+GOLDEN_RUN = (
+    "5354525748494458010000000000000000000000000000000100000000000000"
+    "2df9acf0853e03760000000000000000350bafb4f7387bbd0000000000000000"
+    "2df9acf0853e037672d84e317251bbaf350bafb4f7387bbd2449bfa993fb6544"
+    "0000000000208410000000000000000000000004081020005354525748495845"
+    "0100000000000000000000000000000001000000000000000800000000000000"
+    "08000000000000000800000000000000ac14a75a476c108136f9366327f4cf80"
+)
+
+
+def test_index_runs_refuse_damage_and_answer_every_key_of_many_pages(tmp_path: Path) -> None:
+    """A run over files of thousands of keys answers each key's (file, place) through its pages;
+    a flipped byte anywhere fails its load, its page or its trailer with CorruptData naming it."""
+    files = []
+    for number in range(3):
+        keys = [f"k{number}-{i}" for i in range(1500)]
+        chunks, checksum = history.build(number, 0, [(k, [k]) for k in keys], [], {"counts": {}}, [])
+        data = b"".join(chunks)
+        files.append(history.HistoryFile(f"f{number}", _Bytes(f"f{number}", data), len(data), checksum))
+    chunks, checksum = history.build_run(
+        0, files, history.run_entries([], files, 0), history.covered_digest(files)
+    )
+    data = b"".join(chunks)
+    run = history.IndexRun("r", _Bytes("r", data), len(data), checksum, 0, 3)
+    for number, file in enumerate(files):
+        hashes = file.load()[0]
+        for place in range(0, 1500, 7):
+            assert (number, place) in list(run.find(0, hashes[place]))
+    misses = sum(1 for i in range(2000) if list(run.find(0, history.key_hash(f"miss-{i}"))))
+    assert misses == 0
+    # The filter lets about one miss in 80 through to a page read (10 bits per key, 4 probes).
+    maybe = sum(run.holds(0, history.key_hash(f"other-{i}")) for i in range(20000))
+    assert maybe < 20000 * 0.03
+    for at in (5, history.RUN_HEADER.size + 100, len(data) - history.RUN_TRAILER.size - 3, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x04
+        with pytest.raises(CorruptData, match="index r is damaged"):
+            damaged = history.IndexRun("r", _Bytes("r", bytes(bad)), len(data), checksum, 0, 3)
+            damaged.verify()
+
+
+def test_the_index_held_in_memory_stays_small_as_completed_history_grows(tmp_path: Path) -> None:
+    """Issue 12, counted on structures, not timed: the index the live state holds for the history
+    on disk (runs' fences and filters, merged or loaded hashes) grows by under 3 bytes per
+    completed task (the in-memory merged index held 32: a task hash and a submission hash with
+    their file and place), and the live maps stay bounded by the work since the last snapshot."""
+    root = str(tmp_path)
+    batch, rounds = 64, 60
+    footprint: list[tuple[int, int, int, int]] = []
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        for k in range(rounds):
+            coord.submit_tasks(f"s{k}", [TaskSpec(f"t{k:03d}-{i:02d}") for i in range(batch)])
+            leases = [a.lease for a in coord.acquire("w", batch).assignments]
+            refs = [qh.result_for(store, x, submission_id=f"c-{x.task_id}") for x in leases]
+            coord.complete_tasks(
+                [
+                    {
+                        "lease": x,
+                        "submission_id": f"c-{x.task_id}",
+                        "result_ref": r,
+                        "result_digest": r.digest,
+                    }
+                    for x, r in zip(leases, refs, strict=True)
+                ]
+            )
+            assert coord.task_status(f"never-{k}") is None and coord.lookup_submission(f"never-{k}") is None
+            state = coord._state
+            hist = state.history
+            live = len(state.tasks) + len(state.submissions) + len(state.requests)
+            # The few files no run covers yet keep their hashes: bounded by the files per run.
+            newest = history.History(hist.files[hist.run_stop :]).memory_bytes()
+            footprint.append(((k + 1) * batch, hist.memory_bytes() - newest, newest, live))
+        assert hist.runs and hist.merged_indexes is None
+    (half, at_half, _, _), (full, at_full, _, _) = footprint[rounds // 2 - 1], footprint[-1]
+    assert (at_full - at_half) / (full - half) < 3
+    assert max(newest for _, _, newest, _ in footprint) <= (HISTORY_UNMERGED_FILES_MAX + 1) * 3 * 8 * batch
+    assert max(live for _, _, _, live in footprint) <= 16 * batch  # not the 3840 tasks completed
+
+
+def test_a_run_that_fails_to_be_written_skips_its_snapshot_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J5 H1 for runs: a full disk while writing an index run fails that snapshot (counted); the
+    live state keeps what it had, lookups stay exact, and a later snapshot writes the run."""
+    root = str(tmp_path)
+    real = coordinator_module.durable.replace_file
+    failing = {"on": True}
+
+    def replace_file(path: str, *args: object, **kwargs: object) -> None:
+        if failing["on"] and path.endswith(history.RUN_SUFFIX):
+            raise OSError(28, "No space left on device")
+        real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(coordinator_module.durable, "replace_file", replace_file)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
+        done = _work(coord, TASKS - 2, "w1")
+        assert coord.metrics()["counters"]["snapshots_failed"] > 0
+        assert not coord._state.history.runs and not _run_files(root)
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+        failing["on"] = False
+        coord._journal.snapshot_bytes = 0
+        done += _work(coord, 1, "w1")
+        assert coord._state.history.runs
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        for receipt, _, _ in done:
+            assert coord.lookup_submission(receipt.submission_id) == receipt
+            assert coord.task_status(receipt.task_id)["state"] == "completed"  # type: ignore[index]
+
+
+def test_building_a_run_holds_about_twice_its_bytes_at_once() -> None:
+    """Counted with tracemalloc, not timed: a run build (the snapshot thread's transient, bounded
+    by HISTORY_RUN_ENTRIES_MAX) holds under 40 bytes per entry at its peak plus a constant, the
+    run's own 16 included (one index's temporaries at a time, its filter built in chunks,
+    absorbed runs freed before the sort); the build held about 60 before."""
+    files = []
+    for number in range(4):
+        keys = [f"k{number}-{i}" for i in range(25_000)]
+        chunks, checksum = history.build(number, 0, [(k, [k]) for k in keys], [], {"counts": {}}, [])
+        data = b"".join(chunks)
+        files.append(history.HistoryFile(f"f{number}", _Bytes(f"f{number}", data), len(data), checksum))
+        files[-1].load()
+    first = history.build_run(
+        0, files[:2], history.run_entries([], files[:2], 0), history.covered_digest(files[:2])
+    )
+    data = b"".join(first[0])
+    absorbed = history.IndexRun("r", _Bytes("r", data), len(data), first[1], 0, 2)
+    absorbed.load()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        chunks, _ = history.build_run(
+            0, files, history.run_entries([absorbed], files[2:], 2), history.covered_digest(files)
+        )
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    entries = 4 * 25_000
+    assert sum(len(c) for c in chunks) > 16 * entries
+    assert peak < 40 * entries + 4 * 2**20  # plus the filter's chunk of temporaries, a constant

@@ -16,6 +16,7 @@ from .._fs import posix
 from .._journal import frame as journal_frame
 from .._journal import history_io, scan
 from .._queue import events
+from .._queue.history import HistoryFile, IndexRun
 from .._queue.machine import LEASED, QueueState, new_state, state_from_dict
 from ..coordinator import IDENTITY_FILE, QUEUE_FORMAT, QUEUE_VERSION
 from ..errors import QueueError
@@ -194,8 +195,10 @@ def _replay(view: QueueView, root: str) -> None:
 
 
 def _check_history(view: QueueView, state: QueueState, root: str) -> None:
-    """Every history file the snapshot names, read whole: a damaged row fails here, not later."""
-    for file in state.history.files:
+    """Every history file and index run the snapshot names, read whole: a damaged row or page
+    fails here, not later."""
+    named: list[HistoryFile | IndexRun] = [*state.history.files, *state.history.runs]
+    for file in named:
         try:
             file.verify()
         except QueueError as error:

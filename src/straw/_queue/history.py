@@ -21,13 +21,20 @@ import array
 import bisect
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import xxhash
 
 from ..errors import CorruptData, StorageUnavailable, invariant
-from ..limits import HISTORY_BLOCK_ROWS, HISTORY_UNMERGED_FILES_MAX
+from ..limits import (
+    HISTORY_BLOCK_ROWS,
+    HISTORY_RUN_ENTRIES_MAX,
+    HISTORY_RUN_FILTER_BITS,
+    HISTORY_RUN_FILTER_PROBES,
+    HISTORY_RUN_PAGE_ENTRIES,
+    HISTORY_UNMERGED_FILES_MAX,
+)
 from ..protocol import decode, encode
 
 HIST_DIR = "hist"
@@ -326,6 +333,10 @@ class HistoryFile:
             raise self._corrupt(f"an index entry names row {k} of a block of {len(rows)}")
         return rows[k]
 
+    def forget_block(self) -> None:
+        """Drop the last block read (:meth:`History._warm`); the next read of it reads it again."""
+        self._block = None
+
     def unload(self) -> None:
         """Drop the hashes from memory (a merged index covers this file); ``load`` reads them again."""
         self._hashes = None
@@ -441,12 +452,13 @@ def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[Histo
 
 
 class Merged:
-    """One sorted index over the task (``which`` 0), submission (1) or request (2) hashes of the first
-    ``count`` files of a history: each hash with its file's number and its place in that file's
-    index. Built from checked indexes, never changed (a new one replaces it), so a snapshot
-    thread may build it while calls read the one before."""
+    """One sorted index over the task (``which`` 0), submission (1) or request (2) hashes of the
+    files ``start .. count - 1`` of a history: each hash with its file's number and its place in
+    that file's index. Built in memory from checked indexes, never changed (a new one replaces
+    it): only for files no index run covers yet (after a reopen of a queue whose snapshot names
+    no runs, or while writing one fails); the snapshot thread writes runs instead."""
 
-    __slots__ = ("count", "hashes", "last", "owners", "places")
+    __slots__ = ("count", "hashes", "last", "owners", "places", "start")
 
     def __init__(
         self,
@@ -455,8 +467,10 @@ class Merged:
         hashes: array.array[int],
         owners: array.array[int],
         places: array.array[int],
+        start: int = 0,
     ) -> None:
         self.last, self.count, self.hashes, self.owners, self.places = last, count, hashes, owners, places
+        self.start = start
 
     def find(self, wanted: int) -> Iterator[tuple[int, int]]:
         """(file number, place) of each entry whose hash is ``wanted``."""
@@ -466,21 +480,23 @@ class Merged:
             at += 1
 
 
-def merge(base: Merged | None, files: Sequence[HistoryFile], which: int) -> Merged:
-    """``base`` extended to every file of ``files`` (``base`` covers a prefix of them): the new
-    files' hashes are appended and the whole is sorted stably, which timsort does as a merge of
-    sorted runs (linear in the entries, plus a log factor in the files merged at once)."""
-    import numpy as np  # only the snapshot thread and the first lookup after a reopen merge
+def merge(base: Merged | None, files: Sequence[HistoryFile], which: int, start: int = 0) -> Merged:
+    """``base`` extended to the files ``start ..`` of ``files`` (``base``, if it starts there too,
+    covers a prefix of them): the new files' hashes are appended and the whole is sorted stably,
+    which timsort does as a merge of sorted runs."""
+    import numpy as np  # only the first lookups after a reopen merge in memory
 
-    invariant(bool(files), "a merged index covers at least one file")
+    invariant(start < len(files), "a merged index covers at least one file")
     invariant(array.array("I").itemsize == 4, "array 'I' holds 32-bit values")
-    start = base.count if base is not None else 0
+    if base is not None and base.start != start:
+        base = None
+    begin = base.count if base is not None else start
     hashes, owners, places = [], [], []
     if base is not None:
         hashes.append(np.frombuffer(base.hashes, dtype=np.uint64))
         owners.append(np.frombuffer(base.owners, dtype=np.uint32))
         places.append(np.frombuffer(base.places, dtype=np.uint32))
-    for number in range(start, len(files)):
+    for number in range(begin, len(files)):
         own = np.frombuffer(files[number].load()[which], dtype=np.uint64)
         hashes.append(own)
         owners.append(np.full(len(own), number, dtype=np.uint32))
@@ -499,6 +515,7 @@ def merge(base: Merged | None, files: Sequence[HistoryFile], which: int) -> Merg
         pack("Q", joined),
         pack("I", np.concatenate(owners)),
         pack("I", np.concatenate(places)),
+        start,
     )
 
 
@@ -511,15 +528,25 @@ class History:
     ``0 .. base - 1`` (each file a contiguous range) and every task moved out of the state.
 
     A lookup that misses memory must search every file (a new task id or submission id always
-    does). Once more than HISTORY_UNMERGED_FILES_MAX files are outside the merged index, the
-    next lookup merges them in (the snapshot thread usually did it already, :meth:`merged`),
-    so a miss costs one bisect of the merged hashes plus one per file not yet merged.
+    does). The index runs (docs/FORMAT.md 8.5) cover the files ``0 .. run_stop - 1``: a miss
+    probes each run's filter in memory and reads a page of a run only when the filter lets it
+    through, so memory holds about 1.3 bytes per entry whatever the history's size. The snapshot
+    thread writes a run once more than HISTORY_UNMERGED_FILES_MAX files are outside the runs;
+    until then (or after a reopen of a queue whose snapshot names no runs) those files are
+    searched one by one, or merged in memory (:class:`Merged`) once more than that many are.
     """
 
-    def __init__(self, files: Sequence[HistoryFile] = (), merged: MergedIndexes | None = None) -> None:
+    def __init__(
+        self,
+        files: Sequence[HistoryFile] = (),
+        merged: MergedIndexes | None = None,
+        runs: Sequence[IndexRun] = (),
+    ) -> None:
         self.files: list[HistoryFile] = list(files)
         self._firsts = [f.first for f in self.files]
+        self.runs: list[IndexRun] = list(runs)
         self._merged = merged
+        self._last_read: HistoryFile | None = None
 
     def __bool__(self) -> bool:
         return bool(self.files)
@@ -534,51 +561,102 @@ class History:
         return self.files[-1].stop if self.files else 0
 
     @property
+    def run_stop(self) -> int:
+        """Files ``0 .. run_stop - 1`` are covered by the index runs."""
+        return self.runs[-1].stop if self.runs else 0
+
+    @property
     def merged_indexes(self) -> MergedIndexes | None:
-        """The merged indexes in use (immutable: a copy of the state shares them)."""
+        """The in-memory merged indexes in use, if any (immutable: a copy of the state shares them)."""
         return self._merged
 
+    def _outside(self) -> int:
+        """The first file neither the runs nor the in-memory merged indexes cover."""
+        return self._merged[0].count if self._merged is not None else self.run_stop
+
     def merge_due(self) -> bool:
-        """Whether more than HISTORY_UNMERGED_FILES_MAX files are outside the merged indexes."""
-        covered = self._merged[0].count if self._merged is not None else 0
-        return len(self.files) - covered > HISTORY_UNMERGED_FILES_MAX
+        """Whether more than HISTORY_UNMERGED_FILES_MAX files are outside the runs and merged indexes."""
+        return len(self.files) - self._outside() > HISTORY_UNMERGED_FILES_MAX
 
     def extended(self) -> MergedIndexes:
-        """The merged indexes (tasks, submissions, requests) extended to every file, changing
-        nothing here: the snapshot thread builds them on its copy for the live state to :meth:`adopt`."""
-        merged = self._merged
+        """In-memory merged indexes over every file the runs do not cover (the fallback)."""
+        merged, start = self._merged, self.run_stop
         return (
-            merge(merged[0] if merged else None, self.files, 0),
-            merge(merged[1] if merged else None, self.files, 1),
-            merge(merged[2] if merged else None, self.files, 2),
+            merge(merged[0] if merged else None, self.files, 0, start),
+            merge(merged[1] if merged else None, self.files, 1, start),
+            merge(merged[2] if merged else None, self.files, 2, start),
         )
 
     def merged(self) -> MergedIndexes | None:
-        """The merged indexes a lookup uses, extended now if :meth:`merge_due` (after a reopen,
-        or when no snapshot thread did it); None while the files are few."""
+        """The in-memory merged indexes a lookup uses, extended now if :meth:`merge_due`; None
+        while the files outside the runs are few."""
         if self.merge_due():
             self.adopt(self.extended())
         return self._merged
 
     def adopt(self, merged: MergedIndexes | None) -> None:
-        """Use indexes merged over this history's first files (the snapshot thread's copy lists
-        the same file objects); the files they cover drop their own hashes."""
+        """Use in-memory indexes merged over this history's files after its runs; the files they
+        cover drop their own hashes."""
         if merged is None:
             return
         count = merged[0].count
-        current = self._merged[0].count if self._merged is not None else 0
+        current = self._outside()
         if count <= current or count > len(self.files) or merged[0].last is not self.files[count - 1]:
             return  # older than the one in use, or over files this history does not list
+        if merged[0].start != self.run_stop:
+            return
         self._merged = merged
-        for file in self.files[:count]:
+        for file in self.files[merged[0].start : count]:
             file.unload()
 
-    def _covered(self) -> tuple[MergedIndexes | None, Sequence[HistoryFile]]:
+    # ------------------------------------------------------------------ index runs
+
+    def run_plan(self) -> tuple[list[IndexRun], int, int] | None:
+        """The next run to write if one is due: (the newest runs it absorbs, its first and stop
+        file among those no run covers). Runs double as they merge, up to HISTORY_RUN_ENTRIES_MAX
+        entries, so there are about log2(max / file) small runs plus one per full run."""
+        start = self.run_stop
+        if len(self.files) - start <= HISTORY_UNMERGED_FILES_MAX:
+            return None
+        stop, total = start, 0
+        while stop < len(self.files):
+            size = _file_entries(self.files[stop])
+            if stop > start and total + size > HISTORY_RUN_ENTRIES_MAX:
+                break
+            total, stop = total + size, stop + 1
+        absorbed: list[IndexRun] = []
+        for run in reversed(self.runs):
+            if run.entries > total or run.entries + total > HISTORY_RUN_ENTRIES_MAX:
+                break
+            absorbed.insert(0, run)
+            total += run.entries
+        return absorbed, start, stop
+
+    def use_runs(self, runs: Sequence[IndexRun]) -> None:
+        """Take over index runs covering more of this history's files (a snapshot thread wrote
+        them over the same file objects): the runs they replace are closed, the in-memory merged
+        indexes dropped and the newly covered files' hashes unloaded."""
+        runs = list(runs)
+        stop = runs[-1].stop if runs else 0
+        if stop <= self.run_stop or stop > len(self.files):
+            return
+        old = self.run_stop
+        keep = {id(run) for run in runs}
+        for run in self.runs:
+            if id(run) not in keep:
+                run.close()
+        self.runs = runs
+        self._merged = None
+        for file in self.files[old:stop]:
+            file.unload()
+
+    def _covered(self) -> tuple[MergedIndexes | None, Sequence[HistoryFile], int]:
         merged = self.merged()
-        return merged, self.files[merged[0].count :] if merged is not None else self.files
+        start = self._outside()
+        return merged, self.files[start:], start
 
     def task(self, task_id: str) -> Any | None:
-        """A task's row, or None (usually from the in-memory hashes alone, no read)."""
+        """A task's row, or None (usually from the runs' filters alone, no read)."""
         return self._lookup(0, task_id, HistoryFile.task_at, HistoryFile.task)
 
     def position(self, submission_id: str) -> int | None:
@@ -597,18 +675,24 @@ class History:
         at: Callable[[HistoryFile, int, str], Any | None],
         probe: Callable[[HistoryFile, str, int], Any | None],
     ) -> Any | None:
-        """``key`` in hash index ``index`` (tasks, submissions, requests): the merged index's
-        candidates first, then each file it does not cover, newest first."""
+        """``key`` in hash index ``index`` (tasks, submissions, requests): each run's candidates,
+        then the in-memory merged index's, then each file neither covers, newest first."""
         wanted = key_hash(key)
-        merged, rest = self._covered()
+        merged, rest, _ = self._covered()
+        # A run's filter first (no generator for the runs it rules out: every miss asks them all).
+        candidates = [run.find(index, wanted) for run in reversed(self.runs) if run.holds(index, wanted)]
         if merged is not None:
-            for number, place in merged[index].find(wanted):
+            candidates.insert(0, merged[index].find(wanted))
+        for found_at in candidates:
+            for number, place in found_at:
                 found = at(self.files[number], place, key)
+                self._warm(self.files[number])
                 if found is not None:
                     return found
         for file in reversed(rest):
             found = probe(file, key, wanted)
             if found is not None:
+                self._warm(file)
                 return found
         return None
 
@@ -632,9 +716,18 @@ class History:
             end = min(stop, file.stop)
             if start < end:
                 rows += file.receipts(start, end)
+                self._warm(file)
                 start = end
             at += 1
         return rows
+
+    def _warm(self, file: HistoryFile) -> None:
+        """Only the file read last keeps its last block decoded (paging reads a block's rows one
+        after another): reading every file once must not leave a block in each (issue 12)."""
+        last = self._last_read
+        if last is not None and last is not file:
+            last.forget_block()
+        self._last_read = file
 
     def counts(self) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -646,9 +739,329 @@ class History:
     def describe(self) -> list[list[Any]]:
         return [file.describe() for file in self.files]
 
+    def memory_bytes(self) -> int:
+        """Bytes of index data this history holds in memory: the runs' fences and filters, the
+        in-memory merged indexes and the hashes of files loaded (a structure-level footprint)."""
+        total = 0
+        for run in self.runs:
+            total += run.memory_bytes()
+        for merged in self._merged or ():
+            total += sum(len(a) * a.itemsize for a in (merged.hashes, merged.owners, merged.places))
+        for file in self.files:
+            total += sum(len(a) * a.itemsize for a in file._hashes or ())
+        return total
+
+    def describe_runs(self) -> list[list[Any]]:
+        return [run.describe() for run in self.runs]
+
     def names(self) -> set[str]:
-        return {file.name for file in self.files}
+        return {file.name for file in self.files} | {run.name for run in self.runs}
 
     def close(self) -> None:
         for file in self.files:
             file.close()
+        for run in self.runs:
+            run.close()
+
+
+def _file_entries(file: HistoryFile) -> int:
+    return int(file.tasks + file.subs + file.requests)
+
+
+# ---------------------------------------------------------------------- index runs (FORMAT.md 8.5)
+
+RUN_SUFFIX = ".hidx"
+RUN_MAGIC = b"STRWHIDX"
+RUN_END_MAGIC = b"STRWHIXE"
+RUN_VERSION = 1
+#: magic, version, flags (0), number of the first file covered, files covered.
+RUN_HEADER = struct.Struct("<8sIIQQ")
+#: A run's entry: the key hash, then the file number (low 32 bits) and the place in that
+#: file's index (high 32 bits) as one u64.
+RUN_ENTRY = struct.Struct("<QQ")
+#: A page's first hash and the xxh3-64 of its entries' bytes.
+RUN_FENCE = struct.Struct("<QQ")
+#: magic, entries of each index (tasks, submissions, requests), filter bytes of each index,
+#: digest of the covered files' checksums, then the run's checksum.
+RUN_TRAILER = struct.Struct("<8sQQQQQQQQ")
+#: The three indexes of a run, in their order in the file.
+KINDS = 3
+
+
+def run_name(seq: int, stop: int) -> str:
+    """``hist/<S>-<stop>.hidx``: written by the snapshot of frame S, covering files up to ``stop``."""
+    return f"{seq:020d}-{stop:010d}{RUN_SUFFIX}"
+
+
+def covered_digest(files: Sequence[HistoryFile]) -> int:
+    """What binds a run to the files it indexes: xxh3-64 of their checksums (u64 each, in order)."""
+    return _row_hash(array.array("Q", [f.checksum for f in files]).tobytes())
+
+
+def filter_bytes(keys: int) -> int:
+    """Bytes of a filter over ``keys`` hashes: HISTORY_RUN_FILTER_BITS per key, whole u64 words."""
+    return 8 * max(1, -(-keys * HISTORY_RUN_FILTER_BITS // 64))
+
+
+#: Hashes a filter build handles at once: its temporaries stay a few MiB whatever the run's size.
+_FILTER_CHUNK = 1 << 16
+
+
+def build_filter(hashes: Any, size: int) -> bytes:
+    """The membership filter over ``hashes`` (a numpy u64 array): ``size`` bytes, bit ``p`` is
+    bit ``p % 8`` of byte ``p // 8``; hash ``h`` sets ``(lo + k * hi) % bits`` for each probe
+    ``k`` with ``lo`` its low 32 bits and ``hi`` its high 32 bits with the lowest bit set."""
+    import numpy as np
+
+    bits = np.zeros(size, dtype=np.uint8)
+    total = np.uint64(size * 8)
+    for start in range(0, len(hashes), _FILTER_CHUNK):
+        chunk = hashes[start : start + _FILTER_CHUNK]
+        at = chunk & np.uint64(0xFFFFFFFF)
+        step = (chunk >> np.uint64(32)) | np.uint64(1)
+        for _ in range(HISTORY_RUN_FILTER_PROBES):
+            at %= total
+            masks = np.left_shift(np.uint8(1), (at & np.uint64(7)).astype(np.uint8))
+            np.bitwise_or.at(bits, (at >> np.uint64(3)).astype(np.intp), masks)
+            at += step
+    return bits.tobytes()
+
+
+def filter_holds(bits: bytes, wanted: int) -> bool:
+    """Whether ``wanted`` may be among the hashes of filter ``bits`` (never False for one that is)."""
+    size = len(bits) << 3
+    at, step = wanted & 0xFFFFFFFF, (wanted >> 32) | 1
+    for _ in range(HISTORY_RUN_FILTER_PROBES):
+        at %= size
+        if not bits[at >> 3] >> (at & 7) & 1:
+            return False
+        at += step
+    return True
+
+
+def build_run(
+    first: int, files: Sequence[HistoryFile], entries: Iterable[Any], digest: int
+) -> tuple[list[bytes], int]:
+    """The bytes of an index run (pure) over ``files`` numbered from ``first``, and its checksum.
+    ``entries`` yields, per index, a numpy (n, 2) u64 array of entries sorted by hash."""
+    import numpy as np
+
+    header = RUN_HEADER.pack(RUN_MAGIC, RUN_VERSION, 0, first, len(files))
+    pages, fences, filters, sizes = [], [], [], []
+    for table in entries:  # one index's array at a time (``run_entries`` yields them)
+        data = table.tobytes()
+        del table  # its bytes are all a build needs from here (less memory at once)
+        hashes = np.frombuffer(data, dtype=np.uint64)[0::2]
+        step = RUN_ENTRY.size * HISTORY_RUN_PAGE_ENTRIES
+        pages.append(data)
+        for at in range(0, len(data), step):
+            fences.append(RUN_FENCE.pack(int(hashes[at // RUN_ENTRY.size]), _row_hash(data[at : at + step])))
+        filters.append(build_filter(hashes, filter_bytes(len(hashes))))
+        sizes.append(len(hashes))
+        del hashes
+    counts = sizes + [len(f) for f in filters]
+    body = RUN_TRAILER.pack(RUN_END_MAGIC, *counts, digest, 0)[: -_U64.size]
+    fence_bytes, filter_blob = b"".join(fences), b"".join(filters)
+    checksum = _row_hash(header + fence_bytes + filter_blob + body)
+    return [header, *pages, fence_bytes, filter_blob, body + _U64.pack(checksum)], checksum
+
+
+class IndexRun:
+    """One index run: sorted (hash, file, place) entries of the task, submission and request
+    indexes of ``count`` history files from file number ``first`` (docs/FORMAT.md 8.5).
+    Opening reads the trailer; the first lookup reads the fences and filters (checked against
+    the checksum), which are all it keeps in memory; each lookup the filter lets through reads
+    one page, checked against its fence."""
+
+    def __init__(self, name: str, source: Source, size: int, checksum: int, first: int, count: int) -> None:
+        self.name, self.path, self.size, self.checksum = name, source.path, size, checksum
+        self.first, self.count = first, count
+        self._source = source
+        self._loaded: tuple[list[array.array[int]], list[array.array[int]], list[bytes]] | None = None
+        self._read_trailer()
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.count
+
+    @property
+    def entries(self) -> int:
+        return sum(self.counts)
+
+    def describe(self) -> list[Any]:
+        """How a snapshot names this run: [name, size, checksum, first file, files]."""
+        return [self.name, self.size, self.checksum, self.first, self.count]
+
+    def _corrupt(self, why: str) -> CorruptData:
+        return CorruptData(f"queue history index {self.path} is damaged: {why}")
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        try:
+            data = self._source.pread(size, offset)
+        except FileNotFoundError:
+            raise CorruptData(
+                f"queue history index {self.path} named by the queue's snapshot is missing "
+                "(restore it from a copy)"
+            ) from None
+        except OSError as error:
+            raise StorageUnavailable(f"reading queue history index {self.path}: {error}") from error
+        if len(data) != size:
+            raise self._corrupt(f"{size} bytes at {offset} are past its end (torn or truncated)")
+        return bytes(data)
+
+    def _read_trailer(self) -> None:
+        if self.size < RUN_HEADER.size + RUN_TRAILER.size:
+            raise self._corrupt("too short to hold a header and a trailer")
+        fields = RUN_TRAILER.unpack(self._pread(RUN_TRAILER.size, self.size - RUN_TRAILER.size))
+        magic, counts, filters, self.digest, checksum = (
+            fields[0],
+            fields[1:4],
+            fields[4:7],
+            fields[7],
+            fields[8],
+        )
+        if magic != RUN_END_MAGIC:
+            raise self._corrupt("no trailer (a torn write)")
+        if checksum != self.checksum:
+            raise self._corrupt(
+                f"trailer checksum {checksum:016x}, its snapshot recorded {self.checksum:016x}"
+            )
+        self.counts, self.filters = tuple(int(c) for c in counts), tuple(int(f) for f in filters)
+        pages = sum(-(-c // HISTORY_RUN_PAGE_ENTRIES) for c in self.counts)
+        self._fences_at = RUN_HEADER.size + RUN_ENTRY.size * sum(self.counts)
+        expected = self._fences_at + RUN_FENCE.size * pages + sum(self.filters) + RUN_TRAILER.size
+        sizes = zip(self.filters, self.counts, strict=True)
+        if expected != self.size or any(f != filter_bytes(c) for f, c in sizes):
+            raise self._corrupt("its trailer's counts do not match its size")
+
+    def load(self) -> tuple[list[array.array[int]], list[array.array[int]], list[bytes]]:
+        """Per index: the first hash of each page, each page's checksum, the filter (checked once)."""
+        loaded = self._loaded
+        if loaded is not None:
+            return loaded
+        header = self._pread(RUN_HEADER.size, 0)
+        end = self.size - RUN_TRAILER.size
+        middle = self._pread(end - self._fences_at, self._fences_at)
+        body = self._pread(RUN_TRAILER.size - _U64.size, end)
+        if _row_hash(header + middle + body) != self.checksum:
+            raise self._corrupt("its fences and filters do not match its checksum")
+        magic, version, _, first, count = RUN_HEADER.unpack(header)
+        if magic != RUN_MAGIC or version != RUN_VERSION or (first, count) != (self.first, self.count):
+            raise self._corrupt(f"header magic {magic!r} version {version} is not this run's")
+        words = array.array("Q")
+        words.frombytes(middle[: len(middle) - sum(self.filters)])
+        firsts, sums, filters = [], [], []
+        at, blob = 0, len(words) * 8
+        for count_k, size in zip(self.counts, self.filters, strict=True):
+            pages = -(-count_k // HISTORY_RUN_PAGE_ENTRIES)
+            firsts.append(words[2 * at : 2 * (at + pages) : 2])
+            sums.append(words[2 * at + 1 : 2 * (at + pages) : 2])
+            filters.append(middle[blob : blob + size])
+            at, blob = at + pages, blob + size
+        self._loaded = (firsts, sums, filters)
+        return self._loaded
+
+    def _entries_at(self, kind: int) -> int:
+        return RUN_HEADER.size + RUN_ENTRY.size * sum(self.counts[:kind])
+
+    def _page(self, kind: int, page: int) -> memoryview:
+        """The entries of one page as u64 words (hash, file | place << 32, ...), checked."""
+        _, sums, _ = self.load()
+        start = page * HISTORY_RUN_PAGE_ENTRIES
+        count = min(HISTORY_RUN_PAGE_ENTRIES, self.counts[kind] - start)
+        data = self._pread(RUN_ENTRY.size * count, self._entries_at(kind) + RUN_ENTRY.size * start)
+        if _row_hash(data) != sums[kind][page]:
+            raise self._corrupt(f"page {page} of index {kind} does not match its checksum")
+        return memoryview(data).cast("Q")
+
+    def holds(self, kind: int, wanted: int) -> bool:
+        """Whether index ``kind`` may hold ``wanted`` (its filter, in memory once loaded)."""
+        return filter_holds((self._loaded or self.load())[2][kind], wanted)
+
+    def find(self, kind: int, wanted: int) -> Iterator[tuple[int, int]]:
+        """(file number, place) of each entry of index ``kind`` whose hash is ``wanted``."""
+        firsts, _, filters = self.load()
+        if not filter_holds(filters[kind], wanted):
+            return
+        fences = firsts[kind]
+        page = max(0, bisect.bisect_left(fences, wanted) - 1)  # equal hashes may start a page early
+        while page < len(fences) and fences[page] <= wanted:  # bounded by the pages of equal hashes
+            words = self._page(kind, page)
+            hashes = words[0::2]
+            at = bisect.bisect_left(hashes, wanted)
+            while at < len(hashes) and hashes[at] == wanted:
+                where = words[2 * at + 1]
+                number = where & 0xFFFFFFFF
+                if not self.first <= number < self.stop:
+                    raise self._corrupt(f"an entry names file {number}, outside the files it covers")
+                yield number, where >> 32
+                at += 1
+            page += 1
+
+    def read(self, kind: int) -> Any:
+        """Every entry of index ``kind`` as a numpy (n, 2) u64 array, each page checked (a merge)."""
+        import numpy as np
+
+        _, sums, _ = self.load()
+        data = self._pread(RUN_ENTRY.size * self.counts[kind], self._entries_at(kind))
+        step = RUN_ENTRY.size * HISTORY_RUN_PAGE_ENTRIES
+        for page, at in enumerate(range(0, len(data), step)):
+            if _row_hash(data[at : at + step]) != sums[kind][page]:
+                raise self._corrupt(f"page {page} of index {kind} does not match its checksum")
+        return np.frombuffer(data, dtype="<u8").reshape(-1, 2)
+
+    def memory_bytes(self) -> int:
+        """Bytes of its fences, checksums and filters once loaded (nothing before)."""
+        if self._loaded is None:
+            return 0
+        firsts, sums, filters = self._loaded
+        return sum(len(a) * a.itemsize for a in (*firsts, *sums)) + sum(len(f) for f in filters)
+
+    def verify(self) -> None:
+        """Every byte checked (``straw check``)."""
+        for kind in range(KINDS):
+            self.read(kind)
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def run_entries(runs: Sequence[IndexRun], files: Sequence[HistoryFile], start: int) -> Iterator[Any]:
+    """The entries of a run covering ``runs`` (each read back) and then ``files`` numbered from
+    ``start`` (their checked indexes), per index sorted by hash; equal hashes keep file order.
+    One index at a time, so a build holds one index's temporaries at once."""
+    import numpy as np
+
+    for kind in range(KINDS):
+        parts = [run.read(kind) for run in runs]
+        for number, file in enumerate(files, start):
+            own = np.frombuffer(file.load()[kind], dtype=np.uint64)
+            part = np.empty((len(own), 2), dtype=np.uint64)
+            part[:, 0] = own
+            part[:, 1] = np.uint64(number) | (np.arange(len(own), dtype=np.uint64) << np.uint64(32))
+            parts.append(part)
+        joined = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.uint64)
+        del parts  # the runs' bytes read back: freed before the sort
+        order = np.argsort(joined[:, 0], kind="stable")
+        table = joined[order]
+        del joined, order
+        yield table
+        del table
+
+
+def open_runs(
+    opener: Opener, described: Sequence[Sequence[Any]], files: Sequence[HistoryFile]
+) -> list[IndexRun]:
+    """The runs a snapshot names, each checked to cover contiguous files it lists (trailers read)."""
+    runs: list[IndexRun] = []
+    for name, size, checksum, first, count in described:
+        run = IndexRun(str(name), opener(str(name)), int(size), int(checksum), int(first), int(count))
+        expected = runs[-1].stop if runs else 0
+        if run.first != expected or run.stop > len(files):
+            raise run._corrupt(
+                f"it covers files {run.first}..{run.stop}, the snapshot's history {expected}.."
+            )
+        if run.digest != covered_digest(files[run.first : run.stop]):
+            raise run._corrupt("it indexes other history files than the snapshot names")
+        runs.append(run)
+    return runs

@@ -40,7 +40,7 @@ from .commits import CommitLog
 from .events import Answer as Answer  # re-exported: the event types live in ``events``
 from .events import Event as Event
 from .events import Receipt
-from .history import History, HistoryFile, Opener, open_files
+from .history import History, HistoryFile, Opener, open_files, open_runs
 from .index import Key, PendingIndex, pending_key
 from .ledger import Acked as Acked  # re-exported: the ledger's types, where callers found them
 from .ledger import Consumer as Consumer
@@ -363,7 +363,7 @@ class QueueState:
             ledger=self.ledger.copy(),
             counts=dict(self.counts),
             ref_packs=dict(self.ref_packs),
-            history=History(self.history.files, self.history.merged_indexes),
+            history=History(self.history.files, self.history.merged_indexes, self.history.runs),
             unfinished=set(self.unfinished),
         )
         out.commits.history = out._history_receipts
@@ -1327,6 +1327,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
         "released": [ledger.released_cursor, sorted(ledger.released_positions)],
         "ref_packs": state.ref_packs,
         "history": state.history.describe(),
+        **({"history_runs": state.history.describe_runs()} if state.history.runs else {}),
     }
 
 
@@ -1450,11 +1451,13 @@ def state_from_dict(
         if opener is None:
             raise UnsupportedSchema("this queue snapshot names history files; open it with its directory")
         files = open_files(opener, described)  # trailers only: CorruptData names a bad file
+    runs = open_runs(opener, data.get("history_runs") or [], files) if opener is not None else []
     try:
         with collector_paused():
             state = _state_from_dict(data, limits)
             for file in files:
                 state.attach(file)
+            state.history.use_runs(runs)
             for status, count in state.history.counts().items():
                 state.counts[status] += count
         invariant(state.history.base == state.commits.base, "history files hold the receipts below base")
