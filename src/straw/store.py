@@ -598,6 +598,12 @@ class ReadSession:
         located = self.locate(ref)
         return self._reader.payload_mapped(located.segment, located.entry, located.chunk)
 
+    def read_view(self, ref: RecordRef) -> memoryview:
+        """The whole verified payload in writable memory of its own: :meth:`read_mapped`'s pages
+        where it maps them, else a fresh read buffer filled by one read (a tensor's array views it)."""
+        located = self.locate(ref)
+        return self._reader.payload_view(located.segment, located.entry, located.chunk)
+
     def read_tensor_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
         """Payload bytes ``start:stop`` in fresh writable memory, reading and verifying only the chunks
         they touch (like :meth:`read_range`, but the result may back a tensor without a copy)."""

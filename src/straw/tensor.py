@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from ._fs import posix
-from ._pack.reader import read_buffer
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from .limits import CHUNK_BYTES, KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
@@ -482,12 +481,9 @@ class TensorRef:
         with naming(self.what):
             session = reader_for(self.record_ref, reader, self.root)
             self._check(session)
-            buffer = session.read_mapped(self.record_ref) if self.nbytes else None
-            if buffer is None:
-                # Memory of ordinary pages that the read touches first (read_buffer says why not np.empty).
-                buffer = read_buffer(self.nbytes)
-                if self.nbytes:
-                    session.read_into(self.record_ref, buffer)
+            # Mapped pages, or memory of ordinary pages the read touches first (read_buffer says
+            # why not np.empty).
+            buffer = session.read_view(self.record_ref)
         return np.frombuffer(buffer, dtype=_STORAGE[self.dtype]).reshape(self.shape)
 
     def rows(

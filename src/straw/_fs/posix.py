@@ -78,7 +78,7 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
             views.append(view)
             size += view.nbytes
     if size > WRITEBACK_SLICE_BYTES:
-        return _pwrite_loop(fd, [memoryview(v) for v in views], offset, WRITEBACK_SLICE_BYTES)
+        return _pwrite_loop(fd, [memoryview(v) for v in views], offset, WRITEBACK_SLICE_BYTES, writeback=True)
     if len(views) <= IOVEC_COUNT_MAX:
         written = _system.current.pwritev(fd, views, offset) if size else 0
         if written == size:
@@ -87,9 +87,10 @@ def pwrite_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     return _pwrite_loop(fd, [memoryview(v) for v in views], offset, SYSCALL_BYTES_MAX)
 
 
-def _pwrite_loop(fd: int, views: list[memoryview], offset: int, cap: int) -> int:
+def _pwrite_loop(fd: int, views: list[memoryview], offset: int, cap: int, *, writeback: bool = False) -> int:
     """The general case: any number and size of buffers, at most ``cap`` bytes per call,
-    resuming after short writes. A large write hands each slice to writeback as it lands."""
+    resuming after short writes. With ``writeback`` each call's bytes are handed to the kernel's
+    writeback as they land."""
     pending = deque(views)
     position = offset
     system = _system.current
@@ -106,7 +107,7 @@ def _pwrite_loop(fd: int, views: list[memoryview], offset: int, cap: int) -> int
             size += view.nbytes
         written = system.pwritev(fd, group, position) if size else 0
         invariant(written > 0 or size == 0, "pwritev made progress")
-        if cap == WRITEBACK_SLICE_BYTES and written:  # docs/DURABILITY.md D1.2b: speed only
+        if writeback and written:  # docs/DURABILITY.md D1.2b: speed only
             with contextlib.suppress(OSError):
                 system.start_writeback(fd, position, written)
         position += written
