@@ -83,7 +83,7 @@ PHASE_COUNTS = {
     "after_data_write": 16,
     "after_dir_sync": 8,
     "after_journal_append": 15,
-    "after_journal_sync": 15,
+    "after_journal_sync": 9,
     "after_publish": 16,
     "after_seal_sync": 4,
     "after_snapshot_write": 2,
@@ -291,8 +291,11 @@ class FrameCampaign:
         data = path.read_bytes()
         extents, verdict = frame_extents(data)
         self.start, self.end = extents[-1]
-        # The frame before it: the last frame's header records that it was durable (its lag).
-        self.previous_start, self.previous_end = extents[-2]
+        # The newest frame the last frame's header records as durable (its lag): the frame
+        # before it, or an earlier one when frames between were written without a sync (J2.5).
+        lag = jframe._FRAME.unpack_from(data, self.start)[2]
+        assert 0 < lag < len(extents), lag
+        self.previous_start, self.previous_end = extents[-1 - lag]
         self.length = self.end - self.start
         tail = data[self.end :]
         # After an abrupt exit both logs keep the zeros written ahead of their appends (J1.1,
@@ -319,7 +322,7 @@ class FrameCampaign:
         return self.write(flip(self.head + self.frame + self.zeros, self.start + position))
 
     def flipped_previous(self, position: int) -> bytes:
-        """One bit flipped in the frame before the last one (durable: the last one says so)."""
+        """One bit flipped in the newest frame the last one says was durable."""
         return self.write(flip(self.head + self.frame + self.zeros, self.previous_start + position))
 
 

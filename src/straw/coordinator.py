@@ -191,7 +191,7 @@ class JournalView:
 
     @property
     def sequence(self) -> int:
-        return self._journal.durable_seq
+        return self._journal.written_seq
 
     @property
     def directory(self) -> Path:
@@ -525,8 +525,12 @@ class Coordinator:
         check: Callable[[], ev.Op[R] | Answer[R]],
         packs: set[str] | None = None,
         adopted: Adoption | None = None,
+        *,
+        provisional: bool = False,
     ) -> R:
-        """Check, own, journal, apply under the lock; return once the transaction is durable (J2).
+        """Check, own, journal, apply under the lock; return once the transaction is durable (J2),
+        or, ``provisional``, once it is written (J2.5: only ``acquire``, whose leases no restart
+        keeps anyway; the next sync makes it durable).
 
         ``packs`` are the packs the call's references reach: they are owned by the
         queue in the catalog before the journal names them (G6), so a crash
@@ -549,7 +553,7 @@ class Coordinator:
                     # What each named reference reaches (GC roots), journaled with the event.
                     result = dataclasses.replace(result, reach=adopted.reach)
                 seq, reply = self._journal_locked(result)
-        self._wait_durable(seq)
+        self._wait_durable(seq, provisional=provisional and not isinstance(result, Answer))
         if adopted and not isinstance(result, Answer):
             self._handed.append(adopted)  # G6.1: durable now; the next catalog frame ends its staging
         return reply
@@ -565,10 +569,14 @@ class Coordinator:
             raise
         return seq, reply
 
-    def _wait_durable(self, seq: int) -> None:
-        """Wait until frame ``seq`` is durable; a journal failure stops the coordinator (J3)."""
+    def _wait_durable(self, seq: int, *, provisional: bool = False) -> None:
+        """Wait until frame ``seq`` is durable (``provisional``: written, J2.5); a journal failure
+        stops the coordinator (J3)."""
         try:
-            self._journal.wait(seq)
+            if provisional:
+                self._journal.wait_written(seq)
+            else:
+                self._journal.wait(seq)
         except OSError as error:
             # J3: the frame may or may not be durable. Recovery decides; retries are idempotent.
             self._broken = error
@@ -907,7 +915,8 @@ class Coordinator:
         reply: list[Lease] | AcquireStatus = self._commit(
             lambda: self._state.check_acquire(
                 worker_id, max_tasks, ids, task_prefix, bool(control), now, self.lease_seconds, self._new_id
-            )
+            ),
+            provisional=True,  # J2.5: a lease is worth nothing after a restart (J4.5)
         )
         if isinstance(reply, str):
             return AcquireResult(reply)
@@ -1563,6 +1572,7 @@ class Coordinator:
                     and self._journal.failed is None
                     and self._journal.bytes_since_snapshot
                 ):
+                    self._journal.wait(self._journal.last_seq)  # frames written unsynced (J2.5)
                     self._snapshot_locked()
                 # Adoptions whose staging is not yet ended in the catalog (they were durable).
                 self.store._end_staging(self._take_handed())

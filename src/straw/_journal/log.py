@@ -79,6 +79,7 @@ class Journal:
         self._durable = 0
         self._durable_end = 0  # the segment offset just past the last durable frame
         self._written = 0  # the last frame written to the file (durable once a later sync returns)
+        self._covered = 0  # the last frame a sync in flight or done covers (>= _durable)
         self._pending: list[bytes] = []
         self._writing = False  # one batch is written at a time, in sequence order
         #: The thread that framed the last frame, and how many more frames count as "others
@@ -184,7 +185,7 @@ class Journal:
             self._replayed_end = (path, end.offset)
         self._next_seq = walked.last_seq + 1
         self._chain = walked.chain
-        self._durable = self._written = walked.last_seq
+        self._durable = self._written = self._covered = walked.last_seq
         body = snapshot[-1] if snapshot else None
         return Recovered(body, self.segment_first_seq, walked.last_seq, walked.chain, truncated)
 
@@ -270,6 +271,12 @@ class Journal:
         return os.path.join(self.wal, _name(self.segment_first_seq, ".wal"))
 
     @property
+    def written_seq(self) -> int:
+        """The sequence number of the last frame in the file (durable or about to be, J2.5)."""
+        with self._cv:
+            return self._written
+
+    @property
     def durable_seq(self) -> int:
         """The sequence number of the last frame known durable."""
         with self._cv:
@@ -338,43 +345,75 @@ class Journal:
         with self._cv:
             while self._durable < seq:
                 self._check_failed()
-                if seq > self._written and self._may_flush():
+                if seq > self._covered and self._may_flush():
                     self._flush_locked()
                     continue
                 # Asleep until _wake_locked releases this lock: once the frame is durable, the
                 # journal failed, or a batch may start that this caller is the first to need.
-                woken = threading.Lock()
-                woken.acquire()
-                self._waiters.append([seq, woken])
-                self.metrics["sleeps"] += 1
-                self._cv.release()
-                try:
-                    woken.acquire()
-                finally:
-                    self._cv.acquire()
+                self._sleep_locked(seq, False)
+
+    def wait_written(self, seq: int) -> None:
+        """Return once frame ``seq`` (and every earlier one) is in the file, synced or not (J2.5):
+        it survives this process's death, and the next sync of any caller makes it durable.
+        Writes the pending frames itself when no batch is being written."""
+        with self._cv:
+            while self._written < seq:
+                self._check_failed()
+                if self._may_write():
+                    self._write_locked()
+                    continue
+                self._sleep_locked(seq, True)
+
+    def _sleep_locked(self, seq: int, written: bool) -> None:
+        """Sleep (``_cv`` held, released meanwhile) until ``_wake_locked`` releases this caller."""
+        woken = threading.Lock()
+        woken.acquire()
+        self._waiters.append([seq, woken, written])
+        self.metrics["sleeps"] += 1
+        self._cv.release()
+        try:
+            woken.acquire()
+        finally:
+            self._cv.acquire()
+
+    def _switch_blocks(self) -> bool:
+        """Whether a segment switch keeps the pending frames out of this segment (J5.2): every
+        frame up to its point is written, the rest wait for the next segment."""
+        return self._switch_at is not None and self._written >= self._switch_at
+
+    def _may_write(self) -> bool:
+        """Whether the pending frames may be written now (``_cv`` held): no other batch is being
+        written and no segment switch keeps them out of this segment."""
+        return not self._writing and not self._switch_blocks()
 
     def _may_flush(self) -> bool:
-        """Whether a batch may be written now (``_cv`` held). While a switch is pending, only the
-        frames up to its point may be written here; the ones after it wait for the next segment (J5.2)."""
-        switching = self._switch_at is not None and self._written >= self._switch_at
-        return not self._writing and not switching and self._syncing < JOURNAL_SYNCS_IN_FLIGHT
+        """Whether a batch may start now (``_cv`` held): no batch is being written, fewer than
+        JOURNAL_SYNCS_IN_FLIGHT syncs run (J2.4), and there is something to write, or frames
+        written without a sync (J2.5) that a sync alone makes durable (also during a switch)."""
+        if self._writing or self._syncing >= JOURNAL_SYNCS_IN_FLIGHT:
+            return False
+        return self._covered < self._written or (bool(self._pending) and not self._switch_blocks())
 
     def _wake_locked(self) -> None:
-        """Wake the waiters that can go on (``_cv`` held): every one whose frame is durable (all of
-        them once the journal failed), and, when a batch may start, the first one whose frame is
-        not yet written, to lead it. The rest sleep on: nothing they wait for has happened."""
+        """Wake the waiters that can go on (``_cv`` held): every one whose frame is durable, or
+        written for a caller of :meth:`wait_written` (all of them once the journal failed); each
+        caller of ``wait_written`` whose frame a write may start for; and, when a batch may
+        start, the first caller of :meth:`wait` whose frame no sync covers yet, to lead it. The
+        rest sleep on: nothing they wait for has happened."""
         waiters = self._waiters
         if not waiters:
             return
-        durable, failed = self._durable, self._failed is not None
+        durable, written, covered = self._durable, self._written, self._covered
+        failed = self._failed is not None
         keep: list[list[Any]] = []
         leader: list[Any] | None = None
-        may_lead = not failed and self._pending and self._may_flush()
+        may_write = not failed and bool(self._pending) and self._may_write()
+        may_lead = not failed and self._may_flush()
         for entry in waiters:
             seq = entry[0]
-            if failed or seq <= durable:
+            if failed or seq <= durable or (entry[2] and (seq <= written or may_write)):
                 entry[1].release()
-            elif may_lead and seq > self._written and (leader is None or seq < leader[0]):
+            elif may_lead and not entry[2] and seq > covered and (leader is None or seq < leader[0]):
                 if leader is not None:
                     keep.append(leader)
                 leader = entry
@@ -400,30 +439,14 @@ class Journal:
             self._cv.release()
             os.sched_yield()
             self._cv.acquire()
-        batch, last, offset, fd = self._pending, self._next_seq - 1, self._offset, self._fd
-        self._pending = []
-        if self._switch_at is not None and last > self._switch_at:
-            # J5.2: this segment ends at the switch point; the rest waits for the next one.
-            cut = 2 * (self._switch_at - self._written)  # a header and a body per frame
-            batch, self._pending, last = batch[:cut], batch[cut:], self._switch_at
-        self._cv.release()
-        error: BaseException | None = None
-        written = 0
-        try:
-            written = self._write(batch, offset)
-        except BaseException as caught:
-            error = caught
-        self._cv.acquire()
-        self._writing = False
-        entry = [last, offset + written, False]
+        fd = self._fd
+        error, entry = self._write_batch_locked()
         if error is None:
-            self._offset = offset + written
-            self._written = last
-            self.bytes_since_snapshot += written
+            # Frames written earlier without a sync (J2.5) are in this file before the batch:
+            # this sync covers them too.
+            self._covered = entry[0]
             self._syncing += 1
             self._inflight.append(entry)
-        if error is not None:
-            self._failed = error  # J3, before anyone is woken: no waiter may lead another batch
         # Frames queued during the write may lead the next batch now (J2.4); waiters whose
         # frames were just written need this batch's sync, so they are woken after it.
         self._wake_locked()
@@ -456,6 +479,43 @@ class Journal:
             raise error
         self.metrics["syncs"] += 1
         self.metrics["batches"] += 1
+
+    def _write_locked(self) -> None:
+        """J2.5: write the pending frames without a sync (the caller holds ``_cv``)."""
+        self._writing = True
+        error, _ = self._write_batch_locked()
+        self._wake_locked()
+        self._cv.notify_all()
+        if error is not None:
+            raise error  # J3: _failed is set, the journal stops
+
+    def _write_batch_locked(self) -> tuple[BaseException | None, list[Any]]:
+        """Write every pending frame up to a segment switch point with one vectored write
+        (``_cv`` held, released during the write; the caller took the writer role, this gives
+        it back). Returns the error, if any (then the journal has failed, J3), and the batch's
+        [last seq, end offset, synced=False]."""
+        batch, last, offset = self._pending, self._next_seq - 1, self._offset
+        self._pending = []
+        if self._switch_at is not None and last > self._switch_at:
+            # J5.2: this segment ends at the switch point; the rest waits for the next one.
+            cut = 2 * (self._switch_at - self._written)  # a header and a body per frame
+            batch, self._pending, last = batch[:cut], batch[cut:], self._switch_at
+        self._cv.release()
+        error: BaseException | None = None
+        written = 0
+        try:
+            written = self._write(batch, offset) if batch else 0
+        except BaseException as caught:
+            error = caught
+        self._cv.acquire()
+        self._writing = False
+        if error is None:
+            self._offset = offset + written
+            self._written = last
+            self.bytes_since_snapshot += written
+        else:
+            self._failed = error  # J3, before anyone is woken: no waiter may lead another batch
+        return error, [last, offset + written, False]
 
     def _quiesce(self) -> None:
         """Wait until no batch is being written or synced (before the segment's descriptor changes)."""
