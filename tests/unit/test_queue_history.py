@@ -717,3 +717,29 @@ def test_building_a_run_holds_about_twice_its_bytes_at_once() -> None:
     entries = 4 * 25_000
     assert sum(len(c) for c in chunks) > 16 * entries
     assert peak < 40 * entries + 4 * 2**20  # plus the filter's chunk of temporaries, a constant
+
+
+def test_a_state_reading_history_files_is_freed_without_the_cycle_collector(tmp_path: Path) -> None:
+    """The commit log reads receipts below its base through the History, not through its
+    QueueState: a dropped state or snapshot copy holds no reference cycle, so reference counting
+    frees it, with its copies of every live task, at once. (Through the state, each dropped
+    snapshot copy waited for a full collection, which paused every thread of the process.)"""
+    import weakref
+
+    root = str(tmp_path)
+    _build(root)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        state = coord._state
+        assert state.commits.base > 0 and state.history.files
+        copy = state.snapshot_copy()
+        assert copy.commits[0] == state.commits[0]  # read from a history file through the copy
+        dropped = weakref.ref(copy)
+        gc.disable()
+        try:
+            del copy
+            assert dropped() is None
+        finally:
+            gc.enable()

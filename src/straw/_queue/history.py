@@ -704,6 +704,13 @@ class History:
         """[receipt, worker, packs] of an accepted position below ``base``."""
         return self.receipts(position, position + 1)[0]
 
+    def receipt_dicts(self, start: int, stop: int) -> list[dict[str, Any]]:
+        """The receipts of the accepted positions ``start .. stop - 1`` (what ``CommitLog``
+        reads below its base: this object's bound method, which holds no QueueState, so a
+        dropped state or snapshot copy is freed by reference counting, not by a full
+        collection of the cycle collector)."""
+        return [row[0] for row in self.receipts(start, stop)]
+
     def receipts(self, start: int, stop: int) -> list[Any]:
         """The rows of the accepted positions ``start .. stop - 1``, all below ``base``."""
         invariant(0 <= start <= stop <= self.base, "positions on disk")

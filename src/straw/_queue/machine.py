@@ -200,9 +200,6 @@ class QueueState:
             position = self.history.position(submission_id)
         return position
 
-    def _history_receipts(self, start: int, stop: int) -> list[dict[str, Any]]:
-        return [row[0] for row in self.history.receipts(start, stop)]
-
     def worker_at(self, position: int) -> str:
         base = self.commits.base
         return (
@@ -289,7 +286,7 @@ class QueueState:
     def attach(self, file: HistoryFile) -> None:
         """A durable history file (named by a durable snapshot) now answers for what it holds."""
         self.history.add(file)
-        self.commits.history = self._history_receipts
+        self.commits.history = self.history.receipt_dicts
 
     def forget_receipts(self, stop: int) -> list[str]:
         """Drop the receipts below ``stop`` from memory (``attach`` came first); their
@@ -366,7 +363,7 @@ class QueueState:
             history=History(self.history.files, self.history.merged_indexes, self.history.runs),
             unfinished=set(self.unfinished),
         )
-        out.commits.history = out._history_receipts
+        out.commits.history = out.history.receipt_dicts
         return out
 
     # ------------------------------------------------------------------ helpers
