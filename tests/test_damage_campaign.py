@@ -316,12 +316,18 @@ def _harmless(case: Case, pristine: bytes) -> bool:
 
 
 def _blind_spot(case: Case, pristine: bytes) -> bool:
-    """A flipped byte in the last frame of a log (nothing after it proves it durable): recovery
-    removes it like a torn write (DURABILITY.md); check must still report the torn tail."""
+    """A flipped byte in a frame the log's last frame does not witness (its lag, DURABILITY.md
+    "durability witness"): the last frame itself, and in the journal the acquire frames written
+    without a sync just before it (J2.5). Nothing proves such a frame durable, so recovery
+    removes it like a torn write, and the frames after it; check must still report the torn tail."""
     if case.op != "flip" or case.kind not in ("journal-newest", "catalog-log"):
         return False
     frames = _log_frames(pristine)
-    return bool(frames) and frames[-1][0] <= case.at < frames[-1][1]
+    if not frames:
+        return False
+    lag = jframe._FRAME.unpack_from(pristine, frames[-1][0])[2]
+    unwitnessed = frames[-max(lag, 1) :]
+    return unwitnessed[0][0] <= case.at < unwitnessed[-1][1]
 
 
 def _store(root: Path) -> SharedFilesystemStore:
@@ -429,7 +435,7 @@ def run_case(pristine: tuple[Path, Facts], case: Case, tmp_path: Path) -> None:
     forgiven: set[str] = set()
     if _blind_spot(case, data):
         assert "journal.torn_tail" in codes or "catalog.torn_tail" in codes, (case.id, codes)
-        if case.kind == "journal-newest":  # the newest segment's last frame: the last completion
+        if case.kind == "journal-newest":  # the frames from the flip on hold the last completion
             forgiven.add(facts.receipts[-1].submission_id)
     elif not _harmless(case, data):
         assert not ok, f"{case.id}: straw check said ok over damage"
