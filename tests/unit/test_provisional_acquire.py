@@ -174,3 +174,43 @@ def test_an_acquire_survives_its_process_being_killed(tmp_path: Path) -> None:
         # task that kills its coordinator's process runs out of attempts instead of looping.
         assert (status["state"], status["failures"]) == ("pending", 1)
         assert status["lease"]["attempt_id"] == attempt  # the attempt the child was handed
+
+
+def test_threads_mixing_written_and_durable_waits_all_finish_in_order(tmp_path: Path) -> None:
+    """Bounded: 4 threads x 150 rounds of a provisional frame then a durable one, with segment
+    switches requested meanwhile; every wait returns, and each durable wait saw its frame durable."""
+    import threading
+
+    journal = _journal(tmp_path)
+    lock = threading.Lock()  # stands for the coordinator's lock: frames are framed one at a time
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(150):
+                with lock:
+                    seq = journal.append(b'{"op":"acquire","k":%d,"i":%d}' % (k, i))
+                journal.wait_written(seq)
+                assert journal.written_seq >= seq
+                with lock:
+                    seq = journal.append(b'{"op":"complete","k":%d,"i":%d}' % (k, i))
+                journal.wait(seq)
+                assert journal.durable_seq >= seq
+                if k == 0 and i % 50 == 25:
+                    with lock:
+                        journal.request_switch()
+                    journal.switch()
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    try:
+        assert not any(thread.is_alive() for thread in threads), "a wait never returned"
+        assert not errors, errors
+        assert journal.durable_seq == journal.written_seq == journal.last_seq == 4 * 150 * 2
+    finally:
+        journal.close()
