@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,52 +32,45 @@ ROOT = "/r/pool"
 OWNER = "test-owner"
 
 
-def _journal(path: Path) -> Journal:
-    journal = Journal(FilesystemBackend(str(path)), str(path), jframe.identity_tag("run", "q"))
-    journal.create_dirs(str(path))
-    journal.start_segment()
-    return journal
-
-
-def test_a_written_frame_is_in_the_file_and_the_next_wait_makes_it_durable(tmp_path: Path) -> None:
-    journal = _journal(tmp_path)
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[Journal]:
+    """A new queue journal with its first segment, closed after the test."""
+    opened = Journal(FilesystemBackend(str(tmp_path)), str(tmp_path), jframe.identity_tag("run", "q"))
+    opened.create_dirs(str(tmp_path))
+    opened.start_segment()
     try:
-        first = journal.append(b'{"op":"a"}')
-        journal.wait_written(first)
-        assert (journal.written_seq, journal.durable_seq, journal.metrics["syncs"]) == (first, 0, 0)
-        assert b'{"op":"a"}' in Path(journal.segment_path).read_bytes()  # in the page cache
-        second = journal.append(b'{"op":"b"}')
-        journal.wait(second)  # one sync covers both frames
-        assert (journal.durable_seq, journal.metrics["syncs"]) == (second, 1)
+        yield opened
     finally:
-        journal.close()
+        opened.close()
 
 
-def test_waiting_for_a_written_frame_alone_syncs_it(tmp_path: Path) -> None:
-    journal = _journal(tmp_path)
-    try:
-        seq = journal.append(b'{"op":"a"}')
-        journal.wait_written(seq)
-        journal.wait(seq)  # nothing is pending: the batch is a sync only
-        assert (journal.durable_seq, journal.metrics["syncs"], journal.metrics["batches"]) == (seq, 1, 1)
-    finally:
-        journal.close()
+def test_a_written_frame_is_in_the_file_and_the_next_wait_makes_it_durable(journal: Journal) -> None:
+    first = journal.append(b'{"op":"a"}')
+    journal.wait_written(first)
+    assert (journal.written_seq, journal.durable_seq, journal.metrics["syncs"]) == (first, 0, 0)
+    assert b'{"op":"a"}' in Path(journal.segment_path).read_bytes()  # in the page cache
+    second = journal.append(b'{"op":"b"}')
+    journal.wait(second)  # one sync covers both frames
+    assert (journal.durable_seq, journal.metrics["syncs"]) == (second, 1)
 
 
-def test_a_segment_switch_after_unsynced_frames_syncs_them_and_completes(tmp_path: Path) -> None:
-    journal = _journal(tmp_path)
-    try:
-        seq = journal.append(b'{"op":"a"}')
-        journal.wait_written(seq)
-        at, _ = journal.request_switch()
-        later = journal.append(b'{"op":"b"}')  # belongs to the next segment
-        journal.switch()
-        assert journal.durable_seq >= at == seq and journal.segment_first_seq == seq + 1
-        journal.wait_written(later)
-        journal.wait(later)
-        assert journal.durable_seq == later
-    finally:
-        journal.close()
+def test_waiting_for_a_written_frame_alone_syncs_it(journal: Journal) -> None:
+    seq = journal.append(b'{"op":"a"}')
+    journal.wait_written(seq)
+    journal.wait(seq)  # nothing is pending: the batch is a sync only
+    assert (journal.durable_seq, journal.metrics["syncs"], journal.metrics["batches"]) == (seq, 1, 1)
+
+
+def test_a_segment_switch_after_unsynced_frames_syncs_them_and_completes(journal: Journal) -> None:
+    seq = journal.append(b'{"op":"a"}')
+    journal.wait_written(seq)
+    at, _ = journal.request_switch()
+    later = journal.append(b'{"op":"b"}')  # belongs to the next segment
+    journal.switch()
+    assert journal.durable_seq >= at == seq and journal.segment_first_seq == seq + 1
+    journal.wait_written(later)
+    journal.wait(later)
+    assert journal.durable_seq == later
 
 
 def _store() -> SharedFilesystemStore:
@@ -176,12 +170,11 @@ def test_an_acquire_survives_its_process_being_killed(tmp_path: Path) -> None:
         assert status["lease"]["attempt_id"] == attempt  # the attempt the child was handed
 
 
-def test_threads_mixing_written_and_durable_waits_all_finish_in_order(tmp_path: Path) -> None:
+def test_threads_mixing_written_and_durable_waits_all_finish_in_order(journal: Journal) -> None:
     """Bounded: 4 threads x 150 rounds of a provisional frame then a durable one, with segment
     switches requested meanwhile; every wait returns, and each durable wait saw its frame durable."""
     import threading
 
-    journal = _journal(tmp_path)
     lock = threading.Lock()  # stands for the coordinator's lock: frames are framed one at a time
     errors: list[BaseException] = []
 
@@ -208,9 +201,6 @@ def test_threads_mixing_written_and_durable_waits_all_finish_in_order(tmp_path: 
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    try:
-        assert not any(thread.is_alive() for thread in threads), "a wait never returned"
-        assert not errors, errors
-        assert journal.durable_seq == journal.written_seq == journal.last_seq == 4 * 150 * 2
-    finally:
-        journal.close()
+    assert not any(thread.is_alive() for thread in threads), "a wait never returned"
+    assert not errors, errors
+    assert journal.durable_seq == journal.written_seq == journal.last_seq == 4 * 150 * 2
