@@ -1572,7 +1572,6 @@ class Coordinator:
                     and self._journal.failed is None
                     and self._journal.bytes_since_snapshot
                 ):
-                    self._journal.wait(self._journal.last_seq)  # frames written unsynced (J2.5)
                     self._snapshot_locked()
                 # Adoptions whose staging is not yet ended in the catalog (they were durable).
                 self.store._end_staging(self._take_handed())

@@ -204,3 +204,16 @@ def test_threads_mixing_written_and_durable_waits_all_finish_in_order(journal: J
     assert not any(thread.is_alive() for thread in threads), "a wait never returned"
     assert not errors, errors
     assert journal.durable_seq == journal.written_seq == journal.last_seq == 4 * 150 * 2
+
+
+def test_a_clean_close_right_after_an_acquire_makes_it_durable(tmp_path: Path) -> None:
+    with SharedFilesystemStore(str(tmp_path), "run") as store:
+        with _queue(store) as queue:
+            queue.submit_tasks("s", [TaskSpec("t0")])
+            syncs = queue._journal.metrics["syncs"]
+            (granted,) = queue.acquire("w0", 1).assignments
+            assert queue._journal.metrics["syncs"] == syncs  # no sync of its own
+        # close() synced the frame before its snapshot, which therefore holds the grant
+        with _queue(store, recover=True) as queue:
+            status = queue.task_status("t0")
+            assert (status["failures"], status["lease"]["attempt_id"]) == (1, granted.lease.attempt_id)

@@ -652,7 +652,8 @@ class Journal:
         self.backend.sync_dir(self.wal)
 
     def write_snapshot(self, body: bytes) -> None:
-        """Persist the state as of the last durable frame, start a new segment, drop the old files."""
+        """Persist the state as of the last frame, start a new segment, drop the old files."""
+        self.wait(self._next_seq - 1)  # every frame durable, those written without a sync too (J2.5)
         self._quiesce()
         invariant(not self._pending and self._durable == self._next_seq - 1, "snapshot of a durable state")
         seq, chain = self._durable, self._chain
