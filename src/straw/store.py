@@ -1310,9 +1310,9 @@ class SharedFilesystemStore:
                 return
         self._catalog_ready = True
 
-    def _record_seal(self, relative: str, extents: dict[int, list[int]]) -> None:
+    def _record_seal(self, relative: str, extents: dict[int, tuple[int, ...]]) -> None:
         with self._catalog.locked() as catalog:
-            seal = {"op": "seal", "pack": relative, "extents": {str(k): v for k, v in extents.items()}}
+            seal = {"op": "seal", "pack": relative, "extents": {str(k): list(v) for k, v in extents.items()}}
             catalog.append([seal, *self._take_deferred(catalog)])
 
     def validate_reach(

@@ -91,6 +91,17 @@ def test_a_written_set_is_one_tracked_object_and_resolves_as_verified(store: Sha
         assert [located.metadata for located in remembered.records] == [{"task_id": "t2", "n": 2, "ok": True}]
 
 
+def test_an_open_pack_lists_its_extents_manifests_as_untracked_rows(store: SharedFilesystemStore) -> None:
+    # An open pack collects hundreds of extents before it is sealed; each one's manifest
+    # ordinals (for the catalog's staging) stay out of the collector's sight.
+    for k in range(3):
+        _batch(store, f"b{k}")
+    pack = store._writer._pack
+    assert pack is not None and len(pack.manifests) == 3
+    assert all(_untracked(ordinals) for ordinals in pack.manifests.values())
+    assert [list(ordinals) for ordinals in pack.manifests.values()] == [[1, 3, 5, 7, 9, 11, 13, 15]] * 3
+
+
 def test_remembered_answers_are_untracked_rows_rebuilt_equal(store: SharedFilesystemStore) -> None:
     refs = _batch(store, "b")
     single = store.publish([Record("s", b"s")], submission_id="one")

@@ -75,7 +75,9 @@ class _OpenPack:
     size: int
     extents: int
     #: Index-frame offset -> manifest ordinals of each extent (for the catalog's staging).
-    manifests: dict[int, list[int]] = field(default_factory=dict)
+    #: Tuples of ints, which the cycle collector untracks: an open pack holds hundreds of
+    #: extents, and lists of them were the most references a full collection walked.
+    manifests: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: End of the zero-filled space written ahead of the frames (D1.2a); the file's size.
     allocated: int = 0
 
@@ -131,7 +133,7 @@ def _unchanged(entries: Sequence[Entry]) -> None:
 
 
 #: Called with (pack path, extents) once a pack is sealed (the store records it in the catalog).
-SealHook = Callable[[str, dict[int, list[int]]], None]
+SealHook = Callable[[str, dict[int, tuple[int, ...]]], None]
 
 #: Name of the per-writer liveness lock file (docs/GC.md): held while the writer lives.
 LIVE_FILE = "LIVE"
@@ -331,7 +333,7 @@ class PackWriter:
             raise
         pack.size += written
         pack.extents += 1
-        pack.manifests[index_offset] = list(manifests)
+        pack.manifests[index_offset] = tuple(manifests)
         self.bytes_written += written
         invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
         if layout.shareable:
@@ -392,7 +394,7 @@ class PackWriter:
         if layout.shareable:
             reader.remember_written(segment, layout.submission_id, layout.entries)
         self.bytes_written += written
-        extents = {index_offset: list(manifests)}
+        extents = {index_offset: tuple(manifests)}
         if standalone:
             posix.close_quietly(fd)
         else:
