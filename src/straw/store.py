@@ -29,7 +29,15 @@ from ._catalog.log import Catalog
 from ._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, writer_of
 from ._fs import durable, posix
 from ._pack import frame
-from ._pack.reader import PACK_NAME, SHARED_INDEXES, WRITER_NAME, PackReader, SharedMemo
+from ._pack.reader import (
+    PACK_NAME,
+    SHARED_INDEXES,
+    WRITER_NAME,
+    PackReader,
+    SharedMemo,
+    segment_key,
+    segment_of_key,
+)
 from ._pack.writer import CommitUncertain, Entry, PackWriter, owned_metadata
 from .backend import FilesystemBackend
 from .errors import (
@@ -233,6 +241,45 @@ class _Resolved:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def row(self) -> Any:
+        """This set as ``WRITTEN_SETS`` keeps it: a tuple of plain values when its records share
+        one extent (untracked by the cycle collector once its dependencies are none), else itself."""
+        segment, index = self._segment, self._index
+        if segment is None or index is None:
+            return self
+        kept = (index.submission_id, index.chunk_bytes, index.rows)
+        return (self.digest, segment_key(segment), kept, self._ordinals, self.dependencies)
+
+    @classmethod
+    def of_row(cls, row: Any) -> _Resolved:
+        """The set :meth:`row` gave ``row`` for, equal to it."""
+        if type(row) is not tuple:
+            return row  # type: ignore[no-any-return]
+        digest, segment, kept, ordinals, dependencies = row
+        out = cls.__new__(cls)
+        out.digest, out.dependencies, out._ordinals, out._records = digest, dependencies, ordinals, None
+        out._segment, out._index = segment_of_key(segment), frame.Index.of_rows(*kept)
+        return out
+
+
+class _WrittenSets:
+    """``WRITTEN_SETS``: a :class:`SharedMemo` of resolved sets kept as :meth:`_Resolved.row`
+    tuples. Every publication adds one; kept as objects (the set, its segment and its index),
+    they were walked by every full cycle collection and, surviving, brought the next one sooner."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._items: SharedMemo[SetKey, Any] = SharedMemo(limit)
+
+    def get(self, key: SetKey) -> _Resolved | None:
+        found = self._items.get(key)
+        return _Resolved.of_row(found) if found is not None else None
+
+    def put_all(self, items: Iterable[tuple[SetKey, _Resolved]]) -> None:
+        self._items.put_all([(key, resolved.row()) for key, resolved in items])
+
+    def clear(self) -> None:
+        self._items.clear()
+
 
 #: A record set reference as the memos of verified sets key it: every field of the reference,
 #: as one tuple of plain values (untracked by the cycle collector, unlike the reference).
@@ -257,7 +304,7 @@ def set_key(ref: RecordSetRef) -> SetKey:
 #: segment checks, and the index frame read and verified when not cached), so only the
 #: manifest's parse and the digest's recomputation are skipped. Bounded by
 #: ``WRITTEN_SETS_CACHED_MAX``, oldest first out.
-WRITTEN_SETS: SharedMemo[SetKey, _Resolved] = SharedMemo(lambda: WRITTEN_SETS_CACHED_MAX)
+WRITTEN_SETS = _WrittenSets(lambda: WRITTEN_SETS_CACHED_MAX)
 
 
 #: Forks this process descends from (bumped in each child): a session compares it with the
@@ -679,14 +726,18 @@ class _Remembered:
 
     def __init__(self, kind: str, fingerprint: str, result: Any) -> None:
         self.kind, self.fingerprint = kind, fingerprint
-        self._shape, self._segment, self._rows, self._other = _compact(result)
+        shape, segment, self._rows, self._other = _compact(result)
+        self._shape = shape
+        # Its SegmentRef as plain values too: an object here outlived every publication.
+        self._segment = segment_key(segment) if segment is not None else None
 
     @property
     def result(self) -> Any:
         """The answer as the call returned it (fresh containers, equal references)."""
-        shape, segment, rows = self._shape, self._segment, self._rows
-        if segment is None:
+        shape, key, rows = self._shape, self._segment, self._rows
+        if key is None:
             return self._other
+        segment = segment_of_key(key)
         if shape == "records":
             return tuple(RecordRef(segment, ordinal) for ordinal in rows)
         refs = [_set_ref(segment, rows, at) for at in range(0, len(rows), _SET_ROW)]

@@ -91,6 +91,20 @@ def test_a_written_set_is_one_tracked_object_and_resolves_as_verified(store: Sha
         assert [located.metadata for located in remembered.records] == [{"task_id": "t2", "n": 2, "ok": True}]
 
 
+def test_the_shared_index_cache_holds_only_untracked_rows(store: SharedFilesystemStore) -> None:
+    # Every publication adds an index to it: kept as objects, each would be walked by every
+    # full collection and, surviving, bring the next one sooner.
+    refs = [ref for k in range(3) for ref in _batch(store, f"b{k}")]
+    held = reader.SHARED_INDEXES._items._items._items
+    assert len(held) == 3
+    assert all(_untracked(key) and _untracked(row) for key, row in held.items())
+    index = reader.SHARED_INDEXES.get(refs[0].manifest.segment)
+    assert index is not None and index.entry(0).metadata == {"task_id": "t0", "n": 0, "ok": True}
+    assert reader.SHARED_INDEXES.get(refs[-1].manifest.segment) == reader.SHARED_INDEXES.get(
+        refs[-1].manifest.segment
+    )
+
+
 def test_an_open_pack_lists_its_extents_manifests_as_untracked_rows(store: SharedFilesystemStore) -> None:
     # An open pack collects hundreds of extents before it is sealed; each one's manifest
     # ordinals (for the catalog's staging) stay out of the collector's sight.
@@ -131,7 +145,7 @@ def test_a_validating_reader_keeps_shared_indexes_out_of_its_own_cache(
 ) -> None:
     monkeypatch.setattr(reader, "SHARED_INDEX_ENTRIES_MAX", 40)
     batches = [_batch(store, f"b{n}") for n in range(6)]  # 16 entries per frame
-    shared = reader.SHARED_INDEXES._items
+    shared = reader.SHARED_INDEXES._items._items
     assert shared._total == 32  # the two newest frames
     for refs in batches[-2:]:
         store.reach(refs)

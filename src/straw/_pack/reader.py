@@ -33,7 +33,7 @@ from ..limits import (
     SHARED_INDEX_ENTRIES_MAX,
     WRITERS_CACHED_MAX,
 )
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode, unchecked
 from . import frame
 
 #: A writer directory's name under ``raw/`` and a pack's file name in it (FORMAT.md section 1).
@@ -116,6 +116,60 @@ class SharedMemo(Generic[K, V]):
             self._items.clear()
 
 
+#: What :class:`SharedIndexes` keeps of an index frame and of its SegmentRef: tuples of plain
+#: values, which the cycle collector untracks (an object per entry was walked by every full
+#: collection and, made by every publication, brought the next one sooner: issue 12).
+_IndexRow = tuple[str, int, tuple[frame.Row, ...]]
+_SegmentKey = tuple[str, str, str, int, str, int, str, int]
+_SEGMENT_FIELDS = (
+    "run_id",
+    "path",
+    "segment_id",
+    "size",
+    "checksum",
+    "version",
+    "checksum_algorithm",
+    "offset",
+)
+
+
+def segment_key(segment: SegmentRef) -> _SegmentKey:
+    """A SegmentRef as a tuple of its plain values (equal exactly when the references are)."""
+    return (
+        segment.run_id,
+        segment.path,
+        segment.segment_id,
+        segment.size,
+        segment.checksum,
+        segment.version,
+        segment.checksum_algorithm,
+        segment.offset,
+    )
+
+
+def segment_of_key(key: _SegmentKey) -> SegmentRef:
+    """The SegmentRef ``segment_key`` gave ``key`` for (its values were checked when it was made)."""
+    return unchecked(SegmentRef, dict(zip(_SEGMENT_FIELDS, key, strict=True)))
+
+
+class SharedIndexes:
+    """A :class:`SharedMemo` of parsed index frames by SegmentRef, kept as plain tuples (an
+    :class:`frame.Index` is rebuilt around its rows, shared, on each ``get``)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._items: SharedMemo[_SegmentKey, _IndexRow] = SharedMemo(limit, lambda row: max(1, len(row[2])))
+
+    def get(self, segment: SegmentRef) -> frame.Index | None:
+        found = self._items.get(segment_key(segment))
+        return frame.Index.of_rows(*found) if found is not None else None
+
+    def put(self, segment: SegmentRef, index: frame.Index) -> None:
+        self._items.put(segment_key(segment), (index.submission_id, index.chunk_bytes, index.rows))
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
 #: Parsed index frames that any store of this process wrote or verified, by SegmentRef.
 #:
 #: A SegmentRef names an immutable extent by path, offset, size and checksum (I1), so an
@@ -123,9 +177,7 @@ class SharedMemo(Generic[K, V]):
 #: bytes for every store of the process. A coordinator validating a result that a worker
 #: thread of the same process published then skips re-reading and re-parsing it. Only
 #: readers made with ``shared=True`` consult it (validation, which returns no bytes).
-SHARED_INDEXES: SharedMemo[SegmentRef, frame.Index] = SharedMemo(
-    lambda: SHARED_INDEX_ENTRIES_MAX, _index_weight
-)
+SHARED_INDEXES = SharedIndexes(lambda: SHARED_INDEX_ENTRIES_MAX)
 
 
 def remember_written(segment: SegmentRef, submission_id: str, rows: Sequence[frame.Row]) -> None:
