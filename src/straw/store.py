@@ -31,6 +31,7 @@ from ._fs import durable, posix
 from ._pack import frame
 from ._pack.reader import (
     PACK_NAME,
+    SEGMENT_KEY_FIELDS,
     SHARED_INDEXES,
     WRITER_NAME,
     PackReader,
@@ -242,23 +243,30 @@ class _Resolved:
     __hash__ = None  # type: ignore[assignment]
 
     def row(self) -> Any:
-        """This set as ``WRITTEN_SETS`` keeps it: a tuple of plain values when its records share
-        one extent (untracked by the cycle collector once its dependencies are none), else itself."""
-        segment, index = self._segment, self._index
-        if segment is None or index is None:
+        """This set as ``WRITTEN_SETS`` keeps it: one flat tuple of plain values when its records
+        share one extent (its digest, dependencies, extent and ordinals), else itself. Flat,
+        since a collection untracks a tuple only once its inner tuples are and meets the inner
+        ones after it: each level of nesting is one more collection survived, and a third one
+        reaches the oldest generation. The extent's index is not kept: ``of_row`` takes it from
+        ``SHARED_INDEXES``, which holds what this process wrote."""
+        segment = self._segment
+        if segment is None or self._index is None:
             return self
-        kept = (index.submission_id, index.chunk_bytes, index.rows)
-        return (self.digest, segment_key(segment), kept, self._ordinals, self.dependencies)
+        return (self.digest, self.dependencies, *segment_key(segment), *self._ordinals)
 
     @classmethod
-    def of_row(cls, row: Any) -> _Resolved:
-        """The set :meth:`row` gave ``row`` for, equal to it."""
+    def of_row(cls, row: Any) -> _Resolved | None:
+        """The set :meth:`row` gave ``row`` for, equal to it; None once its extent's index left
+        ``SHARED_INDEXES`` (the set is then verified from disk, as one never remembered)."""
         if type(row) is not tuple:
             return row  # type: ignore[no-any-return]
-        digest, segment, kept, ordinals, dependencies = row
+        segment = segment_of_key(row[2 : 2 + SEGMENT_KEY_FIELDS])
+        index = SHARED_INDEXES.get(segment)
+        if index is None:
+            return None
         out = cls.__new__(cls)
-        out.digest, out.dependencies, out._ordinals, out._records = digest, dependencies, ordinals, None
-        out._segment, out._index = segment_of_key(segment), frame.Index.of_rows(*kept)
+        out.digest, out.dependencies, out._records = row[0], row[1], None
+        out._segment, out._index, out._ordinals = segment, index, row[2 + SEGMENT_KEY_FIELDS :]
         return out
 
 
@@ -731,6 +739,18 @@ class _Remembered:
         # Its SegmentRef as plain values too: an object here outlived every publication.
         self._segment = segment_key(segment) if segment is not None else None
 
+    def row(self) -> tuple[Any, ...]:
+        """How a store's submissions keep it: one tuple of plain values (for an answer of
+        references), which the collector untracks; an object per publication outlived them all."""
+        return (self.kind, self.fingerprint, self._shape, self._segment, self._rows, self._other)
+
+    @classmethod
+    def of_row(cls, row: tuple[Any, ...]) -> _Remembered:
+        """The answer :meth:`row` gave ``row`` for."""
+        out = cls.__new__(cls)
+        out.kind, out.fingerprint, out._shape, out._segment, out._rows, out._other = row
+        return out
+
     @property
     def result(self) -> Any:
         """The answer as the call returned it (fresh containers, equal references)."""
@@ -901,7 +921,7 @@ class SharedFilesystemStore:
             # Tools learn from it that this pool is collected online (straw.inspect refuses then).
             self._writer.live_note = encode({"online_gc": True})
         self._lock = threading.Lock()
-        self._submissions: OrderedDict[str, _Remembered] = OrderedDict()
+        self._submissions: OrderedDict[str, tuple[Any, ...]] = OrderedDict()  # _Remembered rows
         self._remembered_refs = 0  # references the remembered answers hold (``references``)
         self._pending: _Pending | None = None
         # Staging ends released with defer=True, written with this store's next catalog frame
@@ -1206,8 +1226,9 @@ class SharedFilesystemStore:
         """Idempotency, uncertainty and the durable write of one extent (D1/D2, I4/I5)."""
         remembered = _Remembered(kind, fingerprint, None)
         with self._lock:
-            known = self._submissions.get(submission_id)
-            if known is not None:
+            row = self._submissions.get(submission_id)
+            if row is not None:
+                known = _Remembered.of_row(row)
                 if (known.kind, known.fingerprint) != (kind, fingerprint):
                     raise IdempotencyConflict(
                         f"submission {submission_id!r} was already used for different content; use a new id"
@@ -1301,15 +1322,15 @@ class SharedFilesystemStore:
         SUBMISSIONS_REMEMBERED_MAX submissions and SUBMITTED_REFS_REMEMBERED_MAX references."""
         known = self._submissions.pop(submission_id, None)
         if known is not None:
-            self._remembered_refs -= known.references
-        self._submissions[submission_id] = remembered
+            self._remembered_refs -= _Remembered.of_row(known).references
+        self._submissions[submission_id] = remembered.row()
         self._remembered_refs += remembered.references
         while len(self._submissions) > 1 and (
             len(self._submissions) > SUBMISSIONS_REMEMBERED_MAX
             or self._remembered_refs > SUBMITTED_REFS_REMEMBERED_MAX
         ):
             _, oldest = self._submissions.popitem(last=False)
-            self._remembered_refs -= oldest.references
+            self._remembered_refs -= _Remembered.of_row(oldest).references
 
     def _account(self, entries: list[Entry], kind: str) -> None:
         data = [e for e in entries if e.codec != frame.MANIFEST_CODEC]

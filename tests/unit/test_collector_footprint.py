@@ -105,6 +105,37 @@ def test_the_shared_index_cache_holds_only_untracked_rows(store: SharedFilesyste
     )
 
 
+def test_what_a_publication_leaves_in_the_memos_is_untracked_before_the_oldest_generation(
+    store: SharedFilesystemStore,
+) -> None:
+    # An object reaches the oldest generation through a collection of the middle one, and each
+    # object moved there brings the next full collection sooner. Every publication leaves an
+    # entry in three memos: each must be untracked by the two collections it meets before.
+    refs = _batch(store, "young")
+    shared = next(reversed(reader.SHARED_INDEXES._items._items._items.values()))
+    written = WRITTEN_SETS._items._items._items[set_key(refs[3])]
+    remembered = store._submissions["young"]
+    gc.collect(0)  # its first collection: survivors move to the middle generation
+    gc.collect(1)  # the second: survivors would move to the oldest
+    assert [gc.is_tracked(kept) for kept in (shared, written, remembered)] == [False] * 3
+    again = WRITTEN_SETS.get(set_key(refs[3]))
+    assert again is not None and again.digest == refs[3].digest
+    assert [located.metadata for located in again.records] == [{"task_id": "t3", "n": 3, "ok": True}]
+
+
+def test_a_written_set_whose_index_left_the_shared_memo_is_verified_again(
+    store: SharedFilesystemStore,
+) -> None:
+    refs = _batch(store, "gone")
+    assert WRITTEN_SETS.get(set_key(refs[0])) is not None
+    reader.SHARED_INDEXES.clear()  # the set's row names its extent, whose index is gone
+    assert WRITTEN_SETS.get(set_key(refs[0])) is None
+    with store.read_session() as session:
+        assert [bytes(r.payload) for r in session.read(refs[0])] == [
+            b"gone-0"
+        ]  # verified from the pack, as if never written here
+
+
 def test_an_open_pack_lists_its_extents_manifests_as_untracked_rows(store: SharedFilesystemStore) -> None:
     # An open pack collects hundreds of extents before it is sealed; each one's manifest
     # ordinals (for the catalog's staging) stay out of the collector's sight.
@@ -121,9 +152,11 @@ def test_remembered_answers_are_untracked_rows_rebuilt_equal(store: SharedFilesy
     single = store.publish([Record("s", b"s")], submission_id="one")
     records = store.write_records([Record("w", b"w"), Record("v", b"v")], submission_id="w")
     for name, answer in (("b", refs), ("one", (single,)), ("w", records)):
-        kept = store._submissions[name]
-        assert _untracked(kept._rows)
-        got = kept.result  # publish_many's list, which the public call returns as a tuple
+        row = store._submissions[name]
+        assert _untracked(row)  # the answer, its segment and its references: plain values
+        got = store_module._Remembered.of_row(
+            row
+        ).result  # publish_many's list, which the public call returns as a tuple
         assert (tuple(got) if isinstance(got, list) else got) == answer and got is not answer
     assert (
         store.publish_many(

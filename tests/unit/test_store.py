@@ -30,6 +30,7 @@ from straw._pack import frame
 from straw.errors import IdempotencyConflict, InvalidReference, WriterFenced
 from straw.limits import CHUNK_BYTES
 from straw.protocol import encode
+from straw.store import _Remembered
 
 RUN = "run-store-tests"
 KiB = 1024
@@ -992,7 +993,7 @@ def test_I4_remembered_answers_are_bounded_by_references_not_only_submissions(
     ]
     remembered = store._submissions
     assert list(remembered) == ["b8", "b9"]  # 16 references; a third batch would make 24
-    assert store._remembered_refs == sum(len(r.result) for r in remembered.values()) == 16
+    assert store._remembered_refs == sum(len(_Remembered.of_row(r).result) for r in remembered.values()) == 16
     assert (
         store.publish_many(
             [Publication((Record("r", f"9-{k}".encode()),)) for k in range(8)], submission_id="b9"

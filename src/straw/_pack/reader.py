@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import xxhash
 
@@ -119,7 +119,7 @@ class SharedMemo(Generic[K, V]):
 #: What :class:`SharedIndexes` keeps of an index frame and of its SegmentRef: tuples of plain
 #: values, which the cycle collector untracks (an object per entry was walked by every full
 #: collection and, made by every publication, brought the next one sooner: issue 12).
-_IndexRow = tuple[str, int, tuple[frame.Row, ...]]
+_IndexRow = tuple[Any, ...]  # (submission_id, chunk_bytes, *rows): flat, as ``store._Resolved.row``
 _SegmentKey = tuple[str, str, str, int, str, int, str, int]
 _SEGMENT_FIELDS = (
     "run_id",
@@ -131,6 +131,8 @@ _SEGMENT_FIELDS = (
     "checksum_algorithm",
     "offset",
 )
+#: Values in a :func:`segment_key`.
+SEGMENT_KEY_FIELDS = len(_SEGMENT_FIELDS)
 
 
 def segment_key(segment: SegmentRef) -> _SegmentKey:
@@ -157,14 +159,14 @@ class SharedIndexes:
     :class:`frame.Index` is rebuilt around its rows, shared, on each ``get``)."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
-        self._items: SharedMemo[_SegmentKey, _IndexRow] = SharedMemo(limit, lambda row: max(1, len(row[2])))
+        self._items: SharedMemo[_SegmentKey, _IndexRow] = SharedMemo(limit, lambda row: max(1, len(row) - 2))
 
     def get(self, segment: SegmentRef) -> frame.Index | None:
         found = self._items.get(segment_key(segment))
-        return frame.Index.of_rows(*found) if found is not None else None
+        return frame.Index.of_rows(found[0], found[1], found[2:]) if found is not None else None
 
     def put(self, segment: SegmentRef, index: frame.Index) -> None:
-        self._items.put(segment_key(segment), (index.submission_id, index.chunk_bytes, index.rows))
+        self._items.put(segment_key(segment), (index.submission_id, index.chunk_bytes, *index.rows))
 
     def clear(self) -> None:
         self._items.clear()
