@@ -298,3 +298,28 @@ def test_a_history_file_is_built_a_block_of_rows_at_a_time() -> None:
     )
     assert max(lazy_tasks.asked + lazy_receipts.asked) == HISTORY_BLOCK_ROWS
     assert sum(lazy_tasks.asked) == 300 and sum(lazy_receipts.asked) == 200
+
+
+def test_a_task_keeps_its_lease_as_untracked_values(store: SharedFilesystemStore) -> None:
+    import weakref
+
+    from straw import Coordinator, TaskSpec
+
+    queue = Coordinator(store, exclusive_owner="footprint", lease_seconds=60)
+    try:
+        queue.submit_tasks("s", [TaskSpec("plain"), TaskSpec("fed", input_ref=_batch(store, "in", 1)[0])])
+        granted = {a.lease.task_id: a.lease for a in queue.acquire("w", 2).assignments}
+        tasks = queue._state.tasks
+        for task_id, lease in granted.items():
+            assert tasks[task_id].lease == lease and tasks[task_id].lease is not lease
+            assert _untracked(tasks[task_id].held)
+        # The worker's Lease is the worker's: dropped, it is freed at once, unless an
+        # outstanding read of the task's input names it.
+        plain, fed = weakref.ref(granted.pop("plain")), weakref.ref(granted.pop("fed"))
+        assert plain() is None and fed() is not None
+        assert queue.outstanding_reads() == (fed(),)
+        # The queue still reports the attempt from those values.
+        status = queue.task_status("plain")
+        assert status["state"] == "leased" and status["lease"]["worker_id"] == "w"
+    finally:
+        queue.close()

@@ -81,19 +81,98 @@ TRANSITIONS: dict[tuple[str | None, str], frozenset[str]] = {
 EXTENDED = "extended"
 
 
-@dataclass
-class Task:
-    """One task's live state."""
+#: A lease's fields in order, as ``Task.held`` keeps them.
+LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(Lease))
 
-    spec: TaskSpec
-    request_id: str
-    state: str = PENDING
-    order: int = 0
-    generation: int = 0
-    failures: int = 0
-    failure: str | None = None
-    lease: Lease | None = None
-    deadline: float = 0.0
+
+def lease_values(lease: Lease) -> tuple[Any, ...]:
+    """A lease as one tuple of its plain values (``LEASE_FIELDS`` order)."""
+    return (
+        lease.run_id,
+        lease.queue_id,
+        lease.task_id,
+        lease.attempt_id,
+        lease.generation,
+        lease.coordinator_epoch,
+        lease.token,
+        lease.worker_id,
+    )
+
+
+#: Where ``Task.held`` keeps a lease's attempt, token and worker.
+HELD_ATTEMPT, HELD_TOKEN, HELD_WORKER = 3, 6, 7
+invariant(
+    (LEASE_FIELDS[HELD_ATTEMPT], LEASE_FIELDS[HELD_TOKEN], LEASE_FIELDS[HELD_WORKER])
+    == ("attempt_id", "token", "worker_id"),
+    "Task.held indexes name the lease's fields",
+)
+
+
+class Task:
+    """One task's live state.
+
+    Its current lease is kept as plain values (``held``, a tuple the cycle collector
+    untracks), not as the Lease handed to the worker: the live table then holds two objects
+    per task, not three, and the worker's Lease dies with the worker's reference (docs/QUEUE.md
+    "The cycle collector"). ``lease`` builds an equal Lease when asked.
+    """
+
+    __slots__ = (
+        "deadline",
+        "failure",
+        "failures",
+        "generation",
+        "held",
+        "order",
+        "request_id",
+        "spec",
+        "state",
+    )
+
+    def __init__(
+        self,
+        spec: TaskSpec,
+        request_id: str,
+        state: str = PENDING,
+        order: int = 0,
+        generation: int = 0,
+        failures: int = 0,
+        failure: str | None = None,
+        lease: Lease | None = None,
+        deadline: float = 0.0,
+    ) -> None:
+        self.spec, self.request_id, self.state, self.order = spec, request_id, state, order
+        self.generation, self.failures, self.failure, self.deadline = generation, failures, failure, deadline
+        self.held: tuple[Any, ...] | None = lease_values(lease) if lease is not None else None
+
+    @property
+    def lease(self) -> Lease | None:
+        held = self.held
+        return unchecked(Lease, dict(zip(LEASE_FIELDS, held, strict=True))) if held is not None else None
+
+    def copy(self) -> Task:
+        """A copy sharing the spec (immutable) and the lease values (a tuple)."""
+        out = Task.__new__(Task)
+        out.spec, out.request_id, out.state, out.order = self.spec, self.request_id, self.state, self.order
+        out.generation, out.failures, out.failure = self.generation, self.failures, self.failure
+        out.held, out.deadline = self.held, self.deadline
+        return out
+
+    def holds(self, attempt_id: str) -> bool:
+        """Whether ``attempt_id`` is the task's current lease's attempt."""
+        return self.held is not None and self.held[HELD_ATTEMPT] == attempt_id
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Task):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in Task.__slots__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"Task({self.spec!r}, state={self.state!r}, generation={self.generation}, lease={self.lease!r})"
+        )
 
     def status(self) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -327,17 +406,7 @@ class QueueState:
         tasks = dict(self.tasks)  # one C-level copy; then the live tasks, one by one
         for task_id in self.unfinished:
             t = tasks[task_id]
-            tasks[task_id] = Task(
-                t.spec,
-                t.request_id,
-                t.state,
-                t.order,
-                t.generation,
-                t.failures,
-                t.failure,
-                t.lease,
-                t.deadline,
-            )
+            tasks[task_id] = t.copy()
         out = QueueState(
             self.run_id,
             self.queue_id,
@@ -428,12 +497,12 @@ class QueueState:
         task = self.find_task(lease.task_id)  # a finished task may answer from its history file
         if task is None:
             raise InvalidReference(f"lease names unknown task {lease.task_id!r}")
-        held = task.lease
+        held = task.held
         if (
             task.state != LEASED
             or held is None
-            or held.attempt_id != lease.attempt_id
-            or held.token != lease.token
+            or held[HELD_ATTEMPT] != lease.attempt_id
+            or held[HELD_TOKEN] != lease.token
             or lease.coordinator_epoch != self.epoch
         ):
             raise StaleAttempt(
@@ -527,13 +596,7 @@ class QueueState:
         task = self.tasks.get(task_id)
         if task is None:
             return False  # a finished task moved to history: its old entries are stale
-        lease = task.lease
-        return (
-            task.state == LEASED
-            and lease is not None
-            and lease.attempt_id == attempt_id
-            and task.deadline == deadline
-        )
+        return task.state == LEASED and task.holds(attempt_id) and task.deadline == deadline
 
     def expired(self, now: float) -> list[list[str]]:
         """Current leases whose deadline has passed at ``now``, earliest first.
@@ -628,7 +691,7 @@ class QueueState:
             self._move(task, "acquire", LEASED)  # checks the transition before touching the index
             self._dequeue(task)
             task.generation += 1
-            task.lease = Lease(
+            lease = Lease(
                 run_id=self.run_id,
                 queue_id=self.queue_id,
                 task_id=task_id,
@@ -638,21 +701,20 @@ class QueueState:
                 token=token,
                 worker_id=event.worker_id,
             )
+            task.held = lease_values(lease)
             task.deadline = event.deadline
             heapq.heappush(self.expiry, (task.deadline, task_id, attempt_id))
             if task.spec.input_ref is not None:
-                self.reads[(task_id, attempt_id)] = task.lease
+                self.reads[(task_id, attempt_id)] = lease
                 self.read_inputs[(task_id, attempt_id)] = [as_dict(task.spec.input_ref)]
-            leases.append(task.lease)
+            leases.append(lease)
         return leases
 
     def _reclaim(self, pairs: Iterable[Sequence[str]], why: str) -> None:
         """Take leases back: each spends an attempt; an exhausted task fails. Reads stay outstanding."""
         for task_id, attempt_id in pairs:
             task = self.tasks[task_id]
-            invariant(
-                task.lease is not None and task.lease.attempt_id == attempt_id, "reclaimed lease is current"
-            )
+            invariant(task.holds(attempt_id), "reclaimed lease is current")
             task.failures += 1
             if task.failures >= task.spec.max_attempts:
                 task.failure = f"{why}; {task.failures} of {task.spec.max_attempts} attempts spent"
@@ -741,7 +803,7 @@ class QueueState:
 
     def _apply_complete(self, event: ev.Complete) -> Receipt:
         task = self.tasks[event.task_id]
-        invariant(task.lease is not None and task.lease.attempt_id == event.attempt_id, "completing lease")
+        invariant(task.holds(event.attempt_id), "completing lease")
         self._move(task, "complete", COMPLETED)
         self._end_read((event.task_id, event.attempt_id))
         receipt: Receipt = {
@@ -753,7 +815,7 @@ class QueueState:
             "result_ref": event.result_ref,
         }
         self.commits.append(receipt)
-        self.commit_workers.append(task.lease.worker_id if task.lease is not None else "")
+        self.commit_workers.append(task.held[HELD_WORKER] if task.held is not None else "")
         self.commit_packs.append(tuple(event.packs or ()))
         self.submissions[event.submission_id] = receipt["position"]
         self._prune_expiry()
@@ -952,9 +1014,10 @@ class QueueState:
             task = self.tasks[item["task_id"]]
             self._move(task, "progress", LEASED)
             task.spec = _replace_spec(task.spec, {"input_ref": item["input_ref"]})
-            if task.lease is not None:
+            lease = task.lease
+            if lease is not None:
                 key = (item["task_id"], item["attempt_id"])
-                self.reads[key] = task.lease
+                self.reads[key] = lease
                 self.read_inputs.setdefault(key, []).append(item["input_ref"])
         return self._remember(event.request_id, event.fingerprint, [LEASED] * len(event.updates))
 
@@ -998,9 +1061,9 @@ class QueueState:
 
     def check_retire(self, worker_id: str) -> ev.Retire:
         leased = [
-            [t.spec.task_id, t.lease.attempt_id]
+            [t.spec.task_id, t.held[HELD_ATTEMPT]]
             for t in self.tasks.values()
-            if t.state == LEASED and t.lease is not None and t.lease.worker_id == worker_id
+            if t.state == LEASED and t.held is not None and t.held[HELD_WORKER] == worker_id
         ]
         reads = [list(key) for key, lease in self.reads.items() if lease.worker_id == worker_id]
         return ev.Retire(worker_id=worker_id, leased=leased, reads=reads)
@@ -1029,9 +1092,9 @@ class QueueState:
         invariant(event.epoch > self.epoch, "epochs only grow")
         self.epoch = event.epoch
         leased = [
-            [t.spec.task_id, t.lease.attempt_id]
+            [t.spec.task_id, t.held[HELD_ATTEMPT]]
             for t in self.tasks.values()
-            if t.state == LEASED and t.lease is not None
+            if t.state == LEASED and t.held is not None
         ]
         self._reclaim(leased, f"revoked by recovery (epoch {self.epoch})")
         self.draining = False
@@ -1293,7 +1356,7 @@ def state_to_dict(state: QueueState) -> dict[str, Any]:
             t.generation,
             t.failures,
             t.failure,
-            _lease_row(t.lease, state, t.spec.task_id) if t.lease is not None else None,
+            _held_row(t, state),
             t.deadline,
         ]
         for row, t in zip(rows, state.tasks.values(), strict=True)
@@ -1368,7 +1431,7 @@ class _ReceiptRows:
 def task_row(task: Task, state: QueueState) -> list[Any]:
     """A task as a history file row: its id first, then what ``state_to_dict`` keeps of it."""
     refs, rows = _compact_specs([task.spec])
-    lease = _lease_row(task.lease, state, task.spec.task_id) if task.lease is not None else None
+    lease = _held_row(task, state)
     return [
         task.spec.task_id,
         task.request_id,
@@ -1402,13 +1465,16 @@ def task_from_row(row: Sequence[Any], state: QueueState) -> Task:
     )
 
 
-def _lease_row(lease: Lease, state: QueueState, task_id: str) -> list[Any]:
+def _held_row(task: Task, state: QueueState) -> list[Any] | None:
     """A task's lease as the values its task and queue do not already give (snapshots only)."""
+    held = task.held
+    if held is None:
+        return None
     invariant(
-        (lease.run_id, lease.queue_id, lease.task_id) == (state.run_id, state.queue_id, task_id),
+        held[:3] == (state.run_id, state.queue_id, task.spec.task_id),
         "a task's lease was minted by its own queue",
     )
-    return [lease.attempt_id, lease.generation, lease.coordinator_epoch, lease.token, lease.worker_id]
+    return list(held[3:])
 
 
 #: Version of the snapshot body (``state_to_dict``). 2: the accepted log as rows, segment rows
@@ -1492,8 +1558,8 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
         if status == PENDING:
             key = pending_key(spec.priority, spec.scheduling_key, order, spec.task_id)
             (control if spec.control else pending).append(key)
-        elif status == LEASED and task.lease is not None:
-            heapq.heappush(state.expiry, (deadline, spec.task_id, task.lease.attempt_id))
+        elif status == LEASED and task.held is not None:
+            heapq.heappush(state.expiry, (deadline, spec.task_id, task.held[HELD_ATTEMPT]))
     state.pending.add_many(pending)
     state.control.add_many(control)
     state.requests = {k: (v[0], v[1]) for k, v in data["requests"].items()}
