@@ -498,7 +498,8 @@ def unchecked(cls: type[T], values: Mapping[str, Any]) -> T:
     return obj
 
 
-_SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(SegmentRef))
+#: A SegmentRef's field names in declaration order (the order flat rows keep its values in).
+SEGMENT_FIELDS = tuple(f.name for f in dataclasses.fields(SegmentRef))
 _SET_FIELDS = ("digest", "records", "payload_bytes", "tokens")
 _RECEIPT_FIELDS = ("commit_id", "task_id", "submission_id", "digest", "position")
 
@@ -529,7 +530,7 @@ class CommitReceipt:
         ref = data["result_ref"]
         if not isinstance(ref, RecordSetRef):
             manifest = ref["manifest"]
-            segment = unchecked(SegmentRef, {name: manifest["segment"][name] for name in _SEGMENT_FIELDS})
+            segment = unchecked(SegmentRef, {name: manifest["segment"][name] for name in SEGMENT_FIELDS})
             record = unchecked(RecordRef, {"segment": segment, "ordinal": manifest["ordinal"]})
             ref = unchecked(RecordSetRef, {"manifest": record, **{name: ref[name] for name in _SET_FIELDS}})
         return unchecked(cls, {**{name: data[name] for name in _RECEIPT_FIELDS}, "result_ref": ref})

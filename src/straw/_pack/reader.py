@@ -33,7 +33,7 @@ from ..limits import (
     SHARED_INDEX_ENTRIES_MAX,
     WRITERS_CACHED_MAX,
 )
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode, unchecked
+from ..protocol import CHECKSUM_ALGORITHM, SEGMENT_FIELDS, SegmentRef, encode, unchecked
 from . import frame
 
 #: A writer directory's name under ``raw/`` and a pack's file name in it (FORMAT.md section 1).
@@ -121,18 +121,8 @@ class SharedMemo(Generic[K, V]):
 #: collection and, made by every publication, brought the next one sooner: issue 12).
 _IndexRow = tuple[Any, ...]  # (submission_id, chunk_bytes, *rows): flat, as ``store._Resolved.row``
 _SegmentKey = tuple[str, str, str, int, str, int, str, int]
-_SEGMENT_FIELDS = (
-    "run_id",
-    "path",
-    "segment_id",
-    "size",
-    "checksum",
-    "version",
-    "checksum_algorithm",
-    "offset",
-)
 #: Values in a :func:`segment_key`.
-SEGMENT_KEY_FIELDS = len(_SEGMENT_FIELDS)
+SEGMENT_KEY_FIELDS = len(SEGMENT_FIELDS)
 
 
 def segment_key(segment: SegmentRef) -> _SegmentKey:
@@ -151,7 +141,7 @@ def segment_key(segment: SegmentRef) -> _SegmentKey:
 
 def segment_of_key(key: _SegmentKey) -> SegmentRef:
     """The SegmentRef ``segment_key`` gave ``key`` for (its values were checked when it was made)."""
-    return unchecked(SegmentRef, dict(zip(_SEGMENT_FIELDS, key, strict=True)))
+    return unchecked(SegmentRef, dict(zip(SEGMENT_FIELDS, key, strict=True)))
 
 
 class SharedIndexes:

@@ -19,7 +19,15 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 from ..errors import invariant
-from ..protocol import CHECKSUM_ALGORITHM, CommitReceipt, RecordRef, RecordSetRef, SegmentRef, unchecked
+from ..protocol import (
+    CHECKSUM_ALGORITHM,
+    SEGMENT_FIELDS,
+    CommitReceipt,
+    RecordRef,
+    RecordSetRef,
+    SegmentRef,
+    unchecked,
+)
 
 _FORMAT_VERSION = 1
 
@@ -28,22 +36,11 @@ _FORMAT_VERSION = 1
 _SUBMISSION = 2
 _SLOT = 4
 
-#: A result reference's segment fields, in the order a flat receipt keeps them.
-_SEGMENT_FIELDS = (
-    "run_id",
-    "path",
-    "segment_id",
-    "size",
-    "checksum",
-    "version",
-    "checksum_algorithm",
-    "offset",
-)
 #: Flat receipt layout (a receipt accepted since the load): commit id, task id, submission id,
-#: digest, the segment's fields (``_SEGMENT_FIELDS``), manifest ordinal, the reference's
+#: digest, the segment's fields (``SEGMENT_FIELDS``), manifest ordinal, the reference's
 #: digest, records, payload bytes, tokens.
 _FLAT_PATH = 5
-_FLAT_REF = 4 + len(_SEGMENT_FIELDS)
+_FLAT_REF = 4 + len(SEGMENT_FIELDS)
 
 
 def _flat(receipt: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
@@ -52,9 +49,9 @@ def _flat(receipt: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
     try:
         manifest = ref["manifest"]
         segment = manifest["segment"]
-        if len(segment) != len(_SEGMENT_FIELDS) or (len(receipt), len(ref), len(manifest)) != (6, 5, 2):
+        if len(segment) != len(SEGMENT_FIELDS) or (len(receipt), len(ref), len(manifest)) != (6, 5, 2):
             return receipt
-        values = tuple([segment[name] for name in _SEGMENT_FIELDS])
+        values = tuple([segment[name] for name in SEGMENT_FIELDS])
         return (
             receipt["commit_id"], receipt["task_id"], receipt["submission_id"], receipt["digest"],
             *values, manifest["ordinal"], ref["digest"], ref["records"], ref["payload_bytes"], ref["tokens"],
@@ -76,7 +73,7 @@ def _unflat(row: tuple[Any, ...] | dict[str, Any], position: int) -> dict[str, A
         "position": position,
         "result_ref": {
             "manifest": {
-                "segment": dict(zip(_SEGMENT_FIELDS, row[4:_FLAT_REF], strict=True)),
+                "segment": dict(zip(SEGMENT_FIELDS, row[4:_FLAT_REF], strict=True)),
                 "ordinal": ordinal,
             },
             "digest": ref_digest,
@@ -91,7 +88,7 @@ def _receipt_object(row: tuple[Any, ...], position: int) -> CommitReceipt:
     """``CommitReceipt.from_journal(_unflat(row, position))`` without the dicts in between
     (a page of ``read_commits`` builds one per receipt)."""
     ordinal, ref_digest, records, size, tokens = row[_FLAT_REF:]
-    segment = unchecked(SegmentRef, dict(zip(_SEGMENT_FIELDS, row[4:_FLAT_REF], strict=True)))
+    segment = unchecked(SegmentRef, dict(zip(SEGMENT_FIELDS, row[4:_FLAT_REF], strict=True)))
     manifest = unchecked(RecordRef, {"segment": segment, "ordinal": ordinal})
     usage = {"records": records, "payload_bytes": size, "tokens": tokens}
     ref = unchecked(RecordSetRef, {"manifest": manifest, "digest": ref_digest, **usage})
