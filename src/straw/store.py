@@ -734,8 +734,7 @@ class _Remembered:
 
     def __init__(self, kind: str, fingerprint: str, result: Any) -> None:
         self.kind, self.fingerprint = kind, fingerprint
-        shape, segment, self._rows, self._other = _compact(result)
-        self._shape = shape
+        self._shape, segment, self._rows, self._other = _compact(result)
         # Its SegmentRef as plain values too: an object here outlived every publication.
         self._segment = segment_key(segment) if segment is not None else None
 

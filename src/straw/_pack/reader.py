@@ -146,7 +146,7 @@ def segment_of_key(key: _SegmentKey) -> SegmentRef:
 
 class SharedIndexes:
     """A :class:`SharedMemo` of parsed index frames by SegmentRef, kept as plain tuples (an
-    :class:`frame.Index` is rebuilt around its rows, shared, on each ``get``)."""
+    :class:`frame.Index` is rebuilt on each ``get``, sharing the row tuples)."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
         self._items: SharedMemo[_SegmentKey, _IndexRow] = SharedMemo(limit, lambda row: max(1, len(row) - 2))
