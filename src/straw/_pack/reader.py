@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import operator
 import os
 import re
 import threading
@@ -125,18 +126,9 @@ _SegmentKey = tuple[str, str, str, int, str, int, str, int]
 SEGMENT_KEY_FIELDS = len(SEGMENT_FIELDS)
 
 
-def segment_key(segment: SegmentRef) -> _SegmentKey:
-    """A SegmentRef as a tuple of its plain values (equal exactly when the references are)."""
-    return (
-        segment.run_id,
-        segment.path,
-        segment.segment_id,
-        segment.size,
-        segment.checksum,
-        segment.version,
-        segment.checksum_algorithm,
-        segment.offset,
-    )
+#: A SegmentRef as a tuple of its plain values, in ``SEGMENT_FIELDS`` order (equal exactly when
+#: the references are).
+segment_key: Callable[[SegmentRef], _SegmentKey] = operator.attrgetter(*SEGMENT_FIELDS)
 
 
 def segment_of_key(key: _SegmentKey) -> SegmentRef:
@@ -156,7 +148,12 @@ class SharedIndexes:
         return frame.Index.of_rows(found[0], found[1], found[2:]) if found is not None else None
 
     def put(self, segment: SegmentRef, index: frame.Index) -> None:
-        self._items.put(segment_key(segment), (index.submission_id, index.chunk_bytes, *index.rows))
+        self.put_rows(segment, index.submission_id, index.chunk_bytes, index.rows)
+
+    def put_rows(
+        self, segment: SegmentRef, submission_id: str, chunk_bytes: int, rows: Iterable[frame.Row]
+    ) -> None:
+        self._items.put(segment_key(segment), (submission_id, chunk_bytes, *rows))
 
     def clear(self) -> None:
         self._items.clear()
@@ -178,7 +175,7 @@ def remember_written(segment: SegmentRef, submission_id: str, rows: Sequence[fra
     The writer calls it only with rows made from a plain JSON copy of each record's metadata
     (``writer.owned_metadata``): they equal what reading the index frame back would give.
     """
-    SHARED_INDEXES.put(segment, frame.Index.of_rows(submission_id, CHUNK_BYTES, tuple(rows)))
+    SHARED_INDEXES.put_rows(segment, submission_id, CHUNK_BYTES, rows)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import heapq
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -85,27 +86,11 @@ EXTENDED = "extended"
 LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(Lease))
 
 
-def lease_values(lease: Lease) -> tuple[Any, ...]:
-    """A lease as one tuple of its plain values (``LEASE_FIELDS`` order)."""
-    return (
-        lease.run_id,
-        lease.queue_id,
-        lease.task_id,
-        lease.attempt_id,
-        lease.generation,
-        lease.coordinator_epoch,
-        lease.token,
-        lease.worker_id,
-    )
-
+#: A lease as one tuple of its plain values, in ``LEASE_FIELDS`` order (what ``Task.held`` keeps).
+lease_values: Callable[[Lease], tuple[Any, ...]] = operator.attrgetter(*LEASE_FIELDS)
 
 #: Where ``Task.held`` keeps a lease's attempt, token and worker.
-HELD_ATTEMPT, HELD_TOKEN, HELD_WORKER = 3, 6, 7
-invariant(
-    (LEASE_FIELDS[HELD_ATTEMPT], LEASE_FIELDS[HELD_TOKEN], LEASE_FIELDS[HELD_WORKER])
-    == ("attempt_id", "token", "worker_id"),
-    "Task.held indexes name the lease's fields",
-)
+HELD_ATTEMPT, HELD_TOKEN, HELD_WORKER = (LEASE_FIELDS.index(n) for n in ("attempt_id", "token", "worker_id"))
 
 
 class Task:
