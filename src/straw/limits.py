@@ -100,6 +100,11 @@ READ_MAPPING_BYTES_MIN = 4 * MiB
 #: against 1.9 ms as JSON, and decode in 0.13 against 1.2 ms.
 PACKED_LIST_ITEMS_MIN = 64
 
+#: Dataclass types whose field names and getter the sample codec keeps between publications
+#: (the types a process publishes; a long-lived process that defines classes on the fly
+#: recomputes the least recently used).
+DATACLASS_LAYOUTS_CACHED = 256
+
 #: A write larger than this goes down in slices of this size, each handed to the kernel's
 #: writeback as soon as it is written (``posix.pwrite_all``), so the disk works while the next
 #: slice is copied and the extent's ``fdatasync`` waits only for the tail. Measured on ext4 with

@@ -17,6 +17,7 @@ import binascii
 import contextlib
 import dataclasses
 import enum
+import functools
 import importlib
 import json
 import math
@@ -31,7 +32,13 @@ import numpy as np
 
 from .. import protocol
 from ..errors import CorruptData, ResourceLimitExceeded, UnsupportedSchema, invariant
-from ..limits import INLINE_BYTES_MAX, NESTING_DEPTH_MAX, PACKED_LIST_ITEMS_MIN, PART_ID_BYTES_MAX
+from ..limits import (
+    DATACLASS_LAYOUTS_CACHED,
+    INLINE_BYTES_MAX,
+    NESTING_DEPTH_MAX,
+    PACKED_LIST_ITEMS_MIN,
+    PART_ID_BYTES_MAX,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -377,6 +384,7 @@ class _Encoder:
         self.layouts: dict[type, _Layout] = {}  # see layout()
         self.enums: dict[type, str] = {}  # enum type -> its checked name (named())
         self.dataclasses: set[type] = set()  # dataclass types that are not special (other())
+        self.finished: dict[int, tuple[Any, dict[str, Any]]] = {}  # id of a dataclass -> (it, its node)
 
     def where(self) -> str:
         return "".join(self.path)
@@ -484,7 +492,9 @@ class _Encoder:
         return self.other(value, depth)
 
     def mapping(self, value: dict[Any, Any], depth: int) -> dict[str, Any]:
-        self.enter(value, depth)
+        if depth > NESTING_DEPTH_MAX:
+            self.enter(value, depth)  # raises
+        entered = False  # a dict of leaves is on no cycle: it enters the path at its first non-leaf
         items = []
         for key, item in value.items():
             if type(key) is str:
@@ -492,10 +502,14 @@ class _Encoder:
                 if leaf is not _NOT_LEAF:
                     items.append([key, leaf])
                     continue
+            if not entered:
+                self.enter(value, depth)
+                entered = True
             component = f"[{_key_text(key)}]"
             key_node = self.child(component, key, depth) if type(key) is not str else key
             items.append([key_node, self.child(component, item, depth)])
-        self.leave(value)
+        if entered:
+            self.leave(value)
         return {"t": "dict", "items": items}
 
     def other(self, value: Any, depth: int) -> Any:
@@ -580,16 +594,20 @@ class _Encoder:
         found = self.layouts.get(kind)
         if found is None:
             cls = self.named(kind)
-            names = tuple(f.name for f in dataclasses.fields(kind))
+            names, known, getter = _fields_of(kind)
             edge = self.dependency_field(kind) if self.dependency_fields else None
-            if edge is not None and edge not in names:
+            if edge is not None and edge not in known:
                 raise ValueError(f"{self.where()}: dependency field {edge!r} is not a field of {cls}")
-            # attrgetter of one name returns the value itself, not a 1-tuple.
-            getter = operator.attrgetter(*names) if len(names) > 1 else None
-            found = self.layouts[kind] = _Layout(cls, names, frozenset(names), edge, getter)
+            found = self.layouts[kind] = _Layout(cls, names, known, edge, getter)
         return found
 
     def dataclass(self, value: Any, depth: int) -> dict[str, Any]:
+        done = self.finished.get(id(value))
+        if done is not None:
+            # The same object met again (a group's samples share their prompt reference): its
+            # node is the one already built, which is what encoding it again would give (its
+            # parts and dependencies are memoised, and a finished node is no ancestor).
+            return done[1]
         layout = self.layout(type(value))
         self.enter(value, depth)
         names, edge = layout.names, layout.edge
@@ -604,12 +622,27 @@ class _Encoder:
         if values is not None:
             for name, item in zip(names, values, strict=True):
                 kind = type(item)
-                if kind in simple and name != edge:  # most fields: their own node (_leaf's)
+                if name == edge:
+                    fields.append([name, self.field(name, item, edge, depth)])
+                elif kind in simple:  # most fields: their own node (_leaf's)
                     fields.append([name, item])
-                elif kind is np.ndarray and name != edge:  # replay captures: other()'s part, directly
+                elif kind is list:  # token ids, log-probs, versions: _leaf's node, directly
+                    leaf = _scalar_list(item)
+                    if leaf is _NOT_LEAF:
+                        leaf = self.child(f".{name}", item, depth)
+                    fields.append([name, leaf])
+                elif kind is np.ndarray:  # replay captures: other()'s part, directly
                     self.path.append(f".{name}")
-                    fields.append([name, self.part(item, "tensor", {"t": "ndarray"}, self.tensor_kind())])
+                    # (tensor_kind() of a field path is the field's name when no kinds are given)
+                    tensor_kind = self.tensor_kind() if self.kinds else name
+                    fields.append([name, self.part(item, "tensor", {"t": "ndarray"}, tensor_kind)])
                     self.path.pop()
+                elif kind in self.enums:  # a status: other()'s enum node, directly
+                    member = item.value
+                    if type(member) is str or type(member) is int:
+                        fields.append([name, {"t": "enum", "cls": self.enums[kind], "v": member}])
+                    else:
+                        fields.append([name, self.child(f".{name}", item, depth)])
                 else:
                     fields.append([name, self.field(name, item, edge, depth)])
         else:
@@ -625,7 +658,9 @@ class _Encoder:
                 leaf = _leaf(item)
                 extra.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
         self.leave(value)
-        return {"t": "dataclass", "cls": layout.cls, "fields": fields, "attrs": extra}
+        node = {"t": "dataclass", "cls": layout.cls, "fields": fields, "attrs": extra}
+        self.finished[id(value)] = (value, node)  # (the value kept alive: its id stays unique)
+        return node
 
     def field(self, name: str, item: Any, edge: str | None, depth: int) -> Any:
         """The node of one dataclass field (the dependency field's is an ``rset`` node)."""
@@ -638,6 +673,16 @@ class _Encoder:
             return {"t": "rset", "d": self.dependency(item)}
         leaf = _leaf(item)
         return leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)
+
+
+@functools.lru_cache(maxsize=DATACLASS_LAYOUTS_CACHED)
+def _fields_of(kind: type) -> tuple[tuple[str, ...], frozenset[str], Callable[[Any], tuple[Any, ...]] | None]:
+    """A dataclass type's field names (in order, and as a set) and one getter of them all: a
+    function of the type alone, worked out once per type (every publication of samples
+    needs it)."""
+    names = tuple(f.name for f in dataclasses.fields(kind))
+    # attrgetter of one name returns the value itself, not a 1-tuple.
+    return names, frozenset(names), operator.attrgetter(*names) if len(names) > 1 else None
 
 
 @dataclass(frozen=True)
@@ -688,7 +733,7 @@ def _check_dependency_fields(fields: Mapping[type, str] | None) -> Mapping[type,
     for cls, name in fields.items():
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise TypeError(f"dependency_fields= keys are dataclass types, got {cls!r}")
-        if not isinstance(name, str) or name not in {f.name for f in dataclasses.fields(cls)}:
+        if not isinstance(name, str) or name not in _fields_of(cls)[1]:
             raise ValueError(f"dependency_fields=: {name!r} is not a field of {_name_of(cls)}")
     return fields
 
