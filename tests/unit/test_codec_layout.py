@@ -15,6 +15,7 @@ import pytest
 
 from straw import codec
 from straw.codec.schema import Decoder, decode_sample, encode_sample
+from straw.protocol import encode
 
 
 @dataclasses.dataclass
@@ -88,3 +89,36 @@ def test_every_instance_of_a_type_shares_one_template_but_keeps_its_own_attribut
 def test_a_non_reference_in_a_dependency_field_is_refused_with_its_path() -> None:
     with pytest.raises(TypeError, match=r"sample\[0\]\.only: a dependency field holds a RecordSetRef"):
         encode_sample([Single([1])], dependency_fields={Single: "only"})
+
+
+def test_one_dataclass_met_twice_gives_the_same_node_at_both_places_and_two_equal_values() -> None:
+    shared = Single([4, 5])
+    value = [Nested(shared, 1.0), Nested(shared, 2.0), {"again": shared}]
+    document = encode_sample(value).document
+    first, second, mapping = document["root"]
+    node = first["fields"][0][1]
+    assert second["fields"][0][1] == node == mapping["items"][0][1]
+    apart = [Nested(Single([4, 5]), 1.0), Nested(Single([4, 5]), 2.0), {"again": Single([4, 5])}]
+    assert encode(document) == encode(encode_sample(apart).document)
+    rebuilt = decode_sample(document, _NoParts())
+    assert rebuilt[0].inner == rebuilt[1].inner == rebuilt[2]["again"] == shared
+    assert rebuilt[0].inner is not rebuilt[1].inner  # documents store trees: each place its own copy
+
+
+def test_a_dict_of_leaves_still_counts_towards_the_nesting_limit() -> None:
+    from straw.errors import ResourceLimitExceeded
+    from straw.limits import NESTING_DEPTH_MAX
+
+    value: Any = {"leaf": 1}
+    for _ in range(NESTING_DEPTH_MAX + 1):  # the dict one level below the deepest allowed
+        value = [value]
+    with pytest.raises(ResourceLimitExceeded, match="nests deeper than"):
+        encode_sample(value)
+    encode_sample(value[0])  # one level less is accepted
+
+
+def test_a_dict_whose_cycle_comes_after_its_leaves_is_still_a_cycle() -> None:
+    looped: dict[str, Any] = {"a": 1, "b": "x"}
+    looped["self"] = [looped]
+    with pytest.raises(codec.CyclicValue, match=r"sample\[\"self\"\]\[0\] is the same dict"):
+        encode_sample(looped)
