@@ -1034,7 +1034,13 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         key, value = pair
         if type(key) is not str:
             raise TypeError(f"expected a string, got {type(key).__name__}")
-        values[key] = value if type(value) in scalars else reader.node(value, depth)
+        kind = type(value)
+        if kind in scalars:
+            values[key] = value
+        elif kind is list and scalars and _plain(value):  # token ids, log-probs: node()'s answer
+            values[key] = value
+        else:
+            values[key] = reader.node(value, depth)
     for field_name, default, factory in _defaults(cls):  # fields added to the class since publication
         if field_name in values:
             continue
