@@ -39,7 +39,7 @@ from ._pack.reader import (
     segment_key,
     segment_of_key,
 )
-from ._pack.writer import CommitUncertain, Entry, PackWriter, owned_metadata
+from ._pack.writer import CommitUncertain, Entry, PackWriter, owned_row
 from .backend import FilesystemBackend
 from .errors import (
     CorruptData,
@@ -1094,11 +1094,16 @@ class SharedFilesystemStore:
                 f"(registered: {', '.join(self.codecs)}; pickle is never accepted)"
             )
         metadata = record.metadata
-        if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        if not isinstance(metadata, dict):
             raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
         # The text is made from the copy the written index will share, so the two agree.
-        owned = owned_metadata(metadata)
-        meta_text = encode_text(metadata if owned is None else owned)
+        found = owned_row(metadata)  # (None also when a key is not a str: checked below)
+        if found is None:
+            if not all(isinstance(k, str) for k in metadata):
+                raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
+            owned, pairs, meta_text = None, None, encode_text(metadata)
+        else:
+            (owned, pairs), meta_text = found, encode_text(found[0])
         encoded = len(meta_text) if meta_text.isascii() else len(meta_text.encode("utf-8"))
         if encoded > METADATA_BYTES_MAX:
             raise ResourceLimitExceeded(
@@ -1117,7 +1122,9 @@ class SharedFilesystemStore:
             )
         content = xxhash.xxh3_128_hexdigest(view)
         chunks = frame.chunk_checksums(view)
-        return Entry(record_id, record.codec, metadata, tokens, view, content, chunks, None, meta_text, owned)
+        return Entry(
+            record_id, record.codec, metadata, tokens, view, content, chunks, None, meta_text, owned, pairs
+        )
 
     def _manifest_entry(self, manifest: frame.Manifest, record_id: str) -> Entry:
         empty = memoryview(b"")

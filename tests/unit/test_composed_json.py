@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from straw._pack import frame
-from straw._pack.writer import Entry, owned_metadata
+from straw._pack.writer import Entry, owned_metadata, owned_row
 from straw.limits import CHUNK_BYTES
 from straw.protocol import decode, encode, encode_text
 from straw.store import logical_digest
@@ -114,3 +114,23 @@ def _as_parsed(entry: frame.IndexEntry) -> frame.Row:
         entry.record_id, entry.codec, metadata, entry.tokens, entry.offset, entry.length, entry.content,
         entry.chunks,
     )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(metadata=st.dictionaries(_texts, _json, max_size=5))
+def test_the_owned_copy_and_its_row_part_come_from_one_pass(metadata: dict[str, Any]) -> None:
+    found = owned_row(metadata)
+    assert found is not None
+    owned, pairs = found
+    assert owned == metadata and owned == owned_metadata(metadata)
+    assert pairs == frame.metadata_pairs(owned)  # what the index row holds
+    assert frame.pairs_text(pairs) == encode_text(metadata)  # the text composed from it
+    for key, value in metadata.items():
+        if isinstance(value, (dict, list)):
+            assert owned[key] is not value  # nothing the caller holds is shared
+
+
+def test_metadata_that_is_not_plain_json_has_no_owned_row() -> None:
+    assert owned_row({"a": (1, 2)}) is None  # a tuple reads back as a list
+    assert owned_row({"a": {1: "x"}}) is None  # a non-str key reads back as a str
+    assert owned_row({"a": [1, {"b": object()}]}) is None

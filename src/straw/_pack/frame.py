@@ -203,6 +203,7 @@ class IndexEntry:
 Row = tuple[Any, ...]
 
 _SCALARS = (str, int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
 _PAIRS = 8  # where a row's metadata keys and values start
 
 
@@ -211,8 +212,48 @@ def entry_row(
     content: str, chunks: str,
 ) -> Row:  # fmt: skip
     """The row of a record's index entry (not an inline manifest's: :func:`inline_row`)."""
-    pairs = [x for k, v in metadata.items() for x in (k, v if type(v) in _SCALARS else encode(v))]
-    return (record_id, codec, tokens, offset, length, content, chunks, None, *pairs)
+    return (record_id, codec, tokens, offset, length, content, chunks, None, *metadata_pairs(metadata))
+
+
+def metadata_pairs(metadata: dict[str, Any]) -> tuple[Any, ...]:
+    """A row's metadata part: keys and values in turn, each list or object value as its
+    canonical JSON bytes (see :data:`Row`)."""
+    out: list[Any] = []
+    for key, value in metadata.items():
+        out.append(key)
+        out.append(value if type(value) in _SCALAR_TYPES else encode(value))
+    return tuple(out)
+
+
+def pairs_text(pairs: Sequence[Any]) -> str:
+    """The canonical JSON text of the metadata that :func:`metadata_pairs` gave ``pairs``
+    (``encode_text(metadata)``), composed from them: nothing is encoded or decoded again."""
+    if not pairs:
+        return "{}"
+    keys = pairs[::2]
+    values = dict(zip(keys, pairs[1::2], strict=True))
+    texts = []
+    for key in sorted(keys):
+        value = values[key]
+        texts.append(quote(key) + ":" + (quote(value) if type(value) is str else _stored_text(value)))
+    return "{" + ",".join(texts) + "}"
+
+
+def _stored_text(stored: Any) -> str:
+    """A row value's canonical text: a list's or object's bytes as they are, a scalar encoded
+    (the common ones without the encoder's call; a float through it, for its checks)."""
+    kind = type(stored)
+    if kind is bytes:
+        return stored.decode()
+    if kind is str:
+        return quote(stored)
+    if kind is int:
+        return int.__repr__(stored)
+    if stored is None:
+        return "null"
+    if kind is bool:
+        return "true" if stored else "false"
+    return encode_text(stored)
 
 
 def inline_row(record_id: str, body: dict[str, Any]) -> Row:
@@ -240,16 +281,7 @@ def row_meta_text(row: Row) -> str:
     """The canonical JSON text of a row's metadata (``encode_text(metadata)``), composed from the
     row's pairs: a list or object value is its canonical text already, so nothing is decoded
     (verifying a record set recomputes its digest from every record's metadata text)."""
-    if len(row) == _PAIRS:
-        return "{}"
-    pairs = sorted(zip(row[_PAIRS::2], row[_PAIRS + 1 :: 2], strict=True))
-    text = ",".join(
-        [
-            f"{quote(key)}:{value.decode() if type(value) is bytes else encode_text(value)}"
-            for key, value in pairs
-        ]
-    )
-    return f"{{{text}}}"
+    return pairs_text(row[_PAIRS:])
 
 
 def _row_metadata(row: Row) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
 from ..limits import CHUNK_BYTES, PACK_PREALLOC_BYTES
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
 from . import frame, reader
 
 PACK_SUFFIX = ".pack"
@@ -51,6 +51,9 @@ class Entry(NamedTuple):
     #: (``SharedFilesystemStore._entry``); an inline manifest has none.
     meta_text: str = ""
     owned: dict[str, Any] | None = None
+    #: The owned copy's index row part (``frame.metadata_pairs``), which ``meta_text`` was
+    #: composed from (``frame.pairs_text``): the layout puts it in the row as it is.
+    pairs: tuple[Any, ...] | None = None
 
 
 class CommitUncertain(Exception):
@@ -97,10 +100,27 @@ def owned_metadata(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     str, int, float, bool, None): its stored form would differ (a tuple is read back as a
     list, a dataclass as a dict), so its index must not be shared as written.
     """
+    found = owned_row(metadata)
+    return None if found is None else found[0]
+
+
+def owned_row(metadata: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]] | None:
+    """:func:`owned_metadata` and, in the same pass, its index row part
+    (``frame.metadata_pairs`` of the copy), or ``None``."""
+    owned: dict[str, Any] = {}
+    pairs: list[Any] = []
     try:
-        return {_plain_key(key): _plain_value(value) for key, value in metadata.items()}
+        for key, value in metadata.items():
+            kind = type(value)
+            if kind is str or kind is int or kind is float or kind is bool or value is None:
+                owned[_plain_key(key)] = value
+                pairs += (key, value)
+            else:
+                copy = owned[_plain_key(key)] = _plain_value(value)
+                pairs += (key, encode(copy))
     except _NotPlain:
         return None
+    return owned, tuple(pairs)
 
 
 def _plain_key(key: object) -> str:
@@ -263,15 +283,12 @@ class PackWriter:
             buffers.append(e.payload)
             position += frame.FRAME_HEADER_BYTES
             invariant(bool(e.meta_text), "a record's metadata text is made when the store checks it")
-            metadata = e.owned
-            if metadata is None:  # (the caller's values stay theirs to change: a copy)
-                shareable, metadata = False, dict(e.metadata)
+            pairs = e.pairs
+            if pairs is None or e.owned is None:  # (the caller's values stay theirs to change: a copy)
+                shareable, pairs = False, frame.metadata_pairs(dict(e.metadata))
             texts.append(e.meta_text)
-            rows.append(
-                frame.entry_row(
-                    e.record_id, e.codec, metadata, e.tokens, position, e.payload.nbytes, e.content, e.chunks
-                )
-            )
+            size = e.payload.nbytes
+            rows.append((e.record_id, e.codec, e.tokens, position, size, e.content, e.chunks, None, *pairs))
             position += e.payload.nbytes
         head, body, sum_hex = frame.encode_index_frame(submission_id, rows, texts)
         buffers += [head, body]

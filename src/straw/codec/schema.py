@@ -1035,9 +1035,8 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
         if type(key) is not str:
             raise TypeError(f"expected a string, got {type(key).__name__}")
         kind = type(value)
-        if kind in scalars:
-            values[key] = value
-        elif kind is list and scalars and _plain(value):  # token ids, log-probs: node()'s answer
+        # A list of scalars (token ids, log-probs) is node()'s answer for itself, too.
+        if kind in scalars or (kind is list and scalars and _plain(value)):
             values[key] = value
         else:
             values[key] = reader.node(value, depth)
