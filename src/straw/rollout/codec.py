@@ -175,7 +175,12 @@ class _SamplePrep:
                     self.check_top_p()
                 else:
                     self.check_top_k(config.score_centering_top_k)
-        changed = dict(self.fields) if self.lists or self.validated or self.viewed else {}
+        # (A field that is None was None on the sample too: nothing to set.)
+        changed = (
+            {name: value for name, value in self.fields.items() if value is not None}
+            if self.lists or self.validated or self.viewed
+            else {}
+        )
         for name in self.lists:
             array = self.fields[name]
             if name in self.validated or array.size == 0:
