@@ -252,7 +252,14 @@ class _Resolved:
         segment = self._segment
         if segment is None or self._index is None:
             return self
-        return (self.digest, self.dependencies, *segment_key(segment), *self._ordinals)
+        return self.row_of(self.digest, self.dependencies, segment, self._ordinals)
+
+    @staticmethod
+    def row_of(
+        digest: str, dependencies: tuple[RecordSetRef, ...], segment: SegmentRef, ordinals: Sequence[int]
+    ) -> tuple[Any, ...]:
+        """:meth:`row` of a set whose records are ``ordinals`` of the extent ``segment``."""
+        return (digest, dependencies, *segment_key(segment), *ordinals)
 
     @classmethod
     def of_row(cls, row: Any) -> _Resolved | None:
@@ -283,7 +290,11 @@ class _WrittenSets:
         return _Resolved.of_row(found) if found is not None else None
 
     def put_all(self, items: Iterable[tuple[SetKey, _Resolved]]) -> None:
-        self._items.put_all([(key, resolved.row()) for key, resolved in items])
+        self.put_rows([(key, resolved.row()) for key, resolved in items])
+
+    def put_rows(self, items: list[tuple[SetKey, Any]]) -> None:
+        """Sets given as their :meth:`_Resolved.row` already."""
+        self._items.put_all(items)
 
     def clear(self) -> None:
         self._items.clear()
@@ -683,25 +694,29 @@ class ReadSession:
 _VERIFY_BYTES = 64 * 1024 * 1024
 
 
-def _share_written(refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manifest]) -> None:
+def _share_written(
+    refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manifest], publications: Sequence[Publication]
+) -> None:
     """Remember what verifying these just published sets would find (``WRITTEN_SETS``).
 
     Built from the index the writer shares once the extent is durable (``remember_written``,
     which shares only entries whose metadata nothing the caller holds can change); without it
-    (such metadata, or already evicted) the sets are verified when first resolved.
+    (such metadata, or already evicted) the sets are verified when first resolved. Each set's
+    dependencies are the references the caller gave (an earlier publication of the call: its
+    reference), equal to what parsing the manifest would give.
     """
     if not refs:
         return
     segment = refs[0].manifest.segment
-    index = SHARED_INDEXES.get(segment)
-    if index is None:
+    if SHARED_INDEXES.get(segment) is None:
         return
     items = []
-    for ref, manifest in zip(refs, manifests, strict=True):
-        records = tuple([_Located(segment, o, index) for _, o in manifest.records])
-        deps = tuple(ReadSession._dependency(d, segment) for d in manifest.dependencies)
-        items.append((set_key(ref), _Resolved(manifest.digest, records, deps)))
-    WRITTEN_SETS.put_all(items)
+    for ref, manifest, publication in zip(refs, manifests, publications, strict=True):
+        deps = tuple([refs[d] if isinstance(d, int) else d for d in publication.dependencies])
+        ordinals = [o for s, o in manifest.records if s < 0]  # (all of a publication's are here)
+        row = _Resolved.row_of(manifest.digest, deps, segment, ordinals) if ordinals else None
+        items.append((set_key(ref), row or _Resolved(manifest.digest, (), deps).row()))
+    WRITTEN_SETS.put_rows(items)
 
 
 def _usage(dependency: Mapping[str, Any], field: str) -> int:
@@ -1184,7 +1199,7 @@ class SharedFilesystemStore:
             return [RecordSetRef(RecordRef(segment, s[0]), s[1], s[2], s[3], s[4]) for s in sets]
 
         refs = self._commit(kind, submission_id, fingerprint, entries, result, [x[0] for x in sets])
-        _share_written(refs, manifests)
+        _share_written(refs, manifests, publications)
         return refs
 
     def _publication_dependencies(

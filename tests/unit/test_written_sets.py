@@ -68,7 +68,10 @@ def test_the_remembered_form_is_the_verified_one(store: SharedFilesystemStore) -
         for ref in (base, *refs):
             remembered = WRITTEN_SETS.get(set_key(ref))
             assert remembered is not None
-            assert session._verify(ref) == remembered
+            verified = session._verify(ref)
+            assert verified == remembered
+            assert verified.single_extent() == remembered.single_extent()  # None for the empty set
+            assert verified.record_paths() == remembered.record_paths()
 
 
 def test_a_damaged_index_frame_is_still_found_by_a_reading_session(store: SharedFilesystemStore) -> None:
