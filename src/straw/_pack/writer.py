@@ -51,8 +51,8 @@ class Entry(NamedTuple):
     #: (``SharedFilesystemStore._entry``); an inline manifest has none.
     meta_text: str = ""
     owned: dict[str, Any] | None = None
-    #: The owned copy's index row part (``frame.metadata_pairs``), which ``meta_text`` was
-    #: composed from (``frame.pairs_text``): the layout puts it in the row as it is.
+    #: The owned copy's index row part (``frame.metadata_pairs``, made with the copy by
+    #: :func:`owned_row`): the layout puts it in the row as it is.
     pairs: tuple[Any, ...] | None = None
 
 
