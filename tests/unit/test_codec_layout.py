@@ -122,3 +122,16 @@ def test_a_dict_whose_cycle_comes_after_its_leaves_is_still_a_cycle() -> None:
     looped["self"] = [looped]
     with pytest.raises(codec.CyclicValue, match=r"sample\[\"self\"\]\[0\] is the same dict"):
         encode_sample(looped)
+
+
+def test_a_dataclass_met_again_deeper_is_held_to_the_nesting_limit_there() -> None:
+    from straw.errors import ResourceLimitExceeded
+    from straw.limits import NESTING_DEPTH_MAX
+
+    shared = Nested(Single([1]), 0.5)  # its subtree is two levels deep
+    deep: Any = shared
+    for _ in range(NESTING_DEPTH_MAX - 1):  # its inner list would sit past the limit here
+        deep = [deep]
+    with pytest.raises(ResourceLimitExceeded, match="nests deeper than"):
+        encode_sample([shared, deep])  # met first near the root, then too deep
+    encode_sample([shared, deep[0]])  # one level less is accepted

@@ -384,7 +384,8 @@ class _Encoder:
         self.layouts: dict[type, _Layout] = {}  # see layout()
         self.enums: dict[type, str] = {}  # enum type -> its checked name (named())
         self.dataclasses: set[type] = set()  # dataclass types that are not special (other())
-        self.finished: dict[int, tuple[Any, dict[str, Any]]] = {}  # id of a dataclass -> (it, its node)
+        #: id of an encoded dataclass -> (it, its node, the depth it was encoded at)
+        self.finished: dict[int, tuple[Any, dict[str, Any], int]] = {}
 
     def where(self) -> str:
         return "".join(self.path)
@@ -603,10 +604,11 @@ class _Encoder:
 
     def dataclass(self, value: Any, depth: int) -> dict[str, Any]:
         done = self.finished.get(id(value))
-        if done is not None:
-            # The same object met again (a group's samples share their prompt reference): its
-            # node is the one already built, which is what encoding it again would give (its
-            # parts and dependencies are memoised, and a finished node is no ancestor).
+        if done is not None and depth <= done[2]:
+            # The same object met again (a group's samples share their prompt reference), no
+            # deeper than where it was encoded: its node is the one already built, which is
+            # what encoding it again would give (its parts and dependencies are memoised, a
+            # finished node is no ancestor, and its subtree stays within the nesting limit).
             return done[1]
         layout = self.layout(type(value))
         self.enter(value, depth)
@@ -659,7 +661,7 @@ class _Encoder:
                 extra.append([name, leaf if leaf is not _NOT_LEAF else self.child(f".{name}", item, depth)])
         self.leave(value)
         node = {"t": "dataclass", "cls": layout.cls, "fields": fields, "attrs": extra}
-        self.finished[id(value)] = (value, node)  # (the value kept alive: its id stays unique)
+        self.finished[id(value)] = (value, node, depth)  # (the value kept alive: its id stays unique)
         return node
 
     def field(self, name: str, item: Any, edge: str | None, depth: int) -> Any:
