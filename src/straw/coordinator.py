@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import _memory as memory
 from ._catalog.state import queue_owner
 from ._fs import durable, lock, posix
 from ._journal import frame as journal_frame
@@ -648,13 +649,20 @@ class Coordinator:
             self._snapshot_job(seq, chain, state)
             return
         thread = threading.Thread(
-            target=self._snapshot_job,
-            args=(seq, chain, state),
+            target=self._snapshot_in_background,
+            args=(seq, chain, [state]),
             name=f"straw-snapshot-{self.queue_id}",
             daemon=True,
         )
         self._snapshotter = thread
         thread.start()
+
+    def _snapshot_in_background(self, seq: int, chain: bytes, holder: list[QueueState]) -> None:
+        """The snapshot thread: :meth:`_snapshot_job`, then, with the copy and every temporary
+        of it freed, the C heap's free pages go back to the system (docs/QUEUE.md "The C
+        allocator"). ``holder`` is emptied here: the thread's arguments would keep the copy."""
+        self._snapshot_job(seq, chain, holder.pop())
+        memory.release_free_memory()
 
     def _snapshot_job(self, seq: int, chain: bytes, state: QueueState) -> None:
         """J5.2-J5.5 without the coordinator's lock: calls go on while the snapshot of frame ``seq``

@@ -11,6 +11,7 @@ call either way.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -307,3 +308,39 @@ def test_threads_working_through_back_to_back_snapshots_lose_nothing(
     again = make(recover=True)
     assert [again.lookup_submission(r.submission_id) for r in receipts] == receipts
     assert {t["state"] for t in again.tasks.values()} == {"completed"}
+
+
+@pytest.mark.timeout(60)
+def test_a_background_snapshot_hands_free_memory_back_once_its_copy_is_gone(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/QUEUE.md "The C allocator": after each background snapshot the thread returns the
+    C heap's free pages (malloc_trim), with the state copy it wrote already freed."""
+    import gc
+
+    from straw import _memory
+    from straw._queue.machine import QueueState
+
+    live_copies: list[int] = []
+
+    def release() -> bool:
+        gc.collect()
+        live_copies.append(sum(1 for o in gc.get_objects() if type(o) is QueueState))
+        return True
+
+    monkeypatch.setattr(_memory, "release_free_memory", release)
+    coord = make()
+    (lease,) = leases(coord, 1)
+    due(monkeypatch)
+    complete(coord, lease)  # starts the snapshot, returns
+    assert coord._await_snapshot() is None and snapshots(coord)
+    assert live_copies == [1]  # called once, when only the coordinator's own state is left
+
+
+def test_releasing_free_memory_works_where_the_c_library_is_glibc() -> None:
+    import platform
+
+    from straw import _memory
+
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert _memory.release_free_memory() is glibc
