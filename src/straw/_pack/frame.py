@@ -244,7 +244,7 @@ def _stored_text(stored: Any) -> str:
     (the common ones without the encoder's call; a float through it, for its checks)."""
     kind = type(stored)
     if kind is bytes:
-        return stored.decode()
+        return bytes.decode(stored)
     if kind is str:
         return quote(stored)
     if kind is int:
