@@ -230,13 +230,8 @@ def pairs_text(pairs: Sequence[Any]) -> str:
     (``encode_text(metadata)``), composed from them: nothing is encoded or decoded again."""
     if not pairs:
         return "{}"
-    keys = pairs[::2]
-    values = dict(zip(keys, pairs[1::2], strict=True))
-    texts = []
-    for key in sorted(keys):
-        value = values[key]
-        texts.append(quote(key) + ":" + (quote(value) if type(value) is str else _stored_text(value)))
-    return "{" + ",".join(texts) + "}"
+    items = sorted(zip(pairs[::2], pairs[1::2], strict=True))  # (keys are unique)
+    return "{" + ",".join([f"{quote(key)}:{_stored_text(value)}" for key, value in items]) + "}"
 
 
 def _stored_text(stored: Any) -> str:
