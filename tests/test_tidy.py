@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "limits": 0,
     "backend": 1,
     "_fs": 1,
+    # Handing the C heap's free pages back (malloc_trim), after a coordinator's snapshot.
+    "_memory": 1,
     "reporting": 1,
     # Payload-free I/O traces (STRAW_TRACE_DIR): used by the store and tensors.
     "tracing": 1,

@@ -317,24 +317,34 @@ def test_a_background_snapshot_hands_free_memory_back_once_its_copy_is_gone(
     """docs/QUEUE.md "The C allocator": after each background snapshot the thread returns the
     C heap's free pages (malloc_trim), with the state copy it wrote already freed."""
     import gc
+    import weakref
 
     from straw import _memory
     from straw._queue.machine import QueueState
 
-    live_copies: list[int] = []
+    copies: list[weakref.ref[QueueState]] = []
+    copy = QueueState.snapshot_copy
+
+    def snapshot_copy(state: QueueState) -> QueueState:
+        made = copy(state)
+        copies.append(weakref.ref(made))
+        return made
+
+    alive_at_release: list[bool] = []
 
     def release() -> bool:
         gc.collect()
-        live_copies.append(sum(1 for o in gc.get_objects() if type(o) is QueueState))
+        alive_at_release.append(any(ref() is not None for ref in copies))
         return True
 
+    monkeypatch.setattr(QueueState, "snapshot_copy", snapshot_copy)
     monkeypatch.setattr(_memory, "release_free_memory", release)
     coord = make()
     (lease,) = leases(coord, 1)
     due(monkeypatch)
     complete(coord, lease)  # starts the snapshot, returns
     assert coord._await_snapshot() is None and snapshots(coord)
-    assert live_copies == [1]  # called once, when only the coordinator's own state is left
+    assert len(copies) == 1 and alive_at_release == [False]  # once, with the copy already gone
 
 
 def test_releasing_free_memory_works_where_the_c_library_is_glibc() -> None:
