@@ -58,10 +58,16 @@ def read_line(process: subprocess.Popen[str], who: str = "child") -> str:
     return line
 
 
-def send(process: subprocess.Popen[str], line: str) -> None:
+def send(process: subprocess.Popen[str], line: str, who: str = "child") -> None:
+    """Send one line; a child that already ended fails with its exit code and stderr."""
     assert process.stdin is not None
-    process.stdin.write(line)
-    process.stdin.flush()
+    try:
+        process.stdin.write(line)
+        process.stdin.flush()
+    except BrokenPipeError:
+        process.kill()
+        _, err = process.communicate(timeout=CHILD_TIMEOUT_S)
+        raise AssertionError(f"{who} ended early (rc={process.returncode}): {err[-3000:]}") from None
 
 
 def exchange(process: subprocess.Popen[str], line: str) -> str:

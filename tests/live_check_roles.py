@@ -101,6 +101,7 @@ class _Queue:
         self.token = self.coord.open_consumer("training", exclusive_owner="trainer")
         self.rng = rng
         self.lock = threading.Lock()
+        self.acknowledging = threading.Lock()  # the one trainer (acknowledge)
         self.counts = {"submitted": 0, "completed": 0, "acknowledged": 0, "collections": 0, "reclaimed": 0}
         self.errors: list[str] = []
 
@@ -116,23 +117,30 @@ class _Queue:
         self.coord.submit_tasks(f"submit-{first}", specs)
 
     def acknowledge(self) -> None:
-        """The training consumer processed every accepted result so far."""
-        commits = len(self.coord.commits)
-        state = self.store.publish([Record("state", b"%d" % commits)], submission_id=f"state-{commits}")
-        self.store.release_publications([state])
-        self.coord.save_consumer_state(
-            "training",
-            token=self.token,
-            request_id=f"ack-{commits}",
-            state_ref=state,
-            fetch_cursor=commits,
-            processed_cursor=commits,
-        )
-        result = self.coord.collect_garbage()
-        with self.lock:
-            self.counts["acknowledged"] = commits
-            self.counts["collections"] += 1
-            self.counts["reclaimed"] += result["reclaimed_files"]
+        """The training consumer processed every accepted result so far.
+
+        One trainer: the workers acknowledge one at a time, so the cursor only moves forward
+        (a smaller cursor saved after a larger one is a rewind, which the queue refuses once
+        the results in between were collected)."""
+        with self.acknowledging:
+            commits = len(self.coord.commits)
+            if commits <= self.counts["acknowledged"]:
+                return
+            state = self.store.publish([Record("state", b"%d" % commits)], submission_id=f"state-{commits}")
+            self.store.release_publications([state])
+            self.coord.save_consumer_state(
+                "training",
+                token=self.token,
+                request_id=f"ack-{commits}",
+                state_ref=state,
+                fetch_cursor=commits,
+                processed_cursor=commits,
+            )
+            result = self.coord.collect_garbage()
+            with self.lock:
+                self.counts["acknowledged"] = commits
+                self.counts["collections"] += 1
+                self.counts["reclaimed"] += result["reclaimed_files"]
 
     def work(self, name: str, stop: threading.Event) -> None:
         with SharedFilesystemStore(self.store.backend.root, RUN, online_gc=True) as mine:
