@@ -289,9 +289,6 @@ class _WrittenSets:
         found = self._items.get(key)
         return _Resolved.of_row(found) if found is not None else None
 
-    def put_all(self, items: Iterable[tuple[SetKey, _Resolved]]) -> None:
-        self.put_rows([(key, resolved.row()) for key, resolved in items])
-
     def put_rows(self, items: list[tuple[SetKey, Any]]) -> None:
         """Sets given as their :meth:`_Resolved.row` already."""
         self._items.put_all(items)
@@ -308,9 +305,8 @@ SetKey = tuple[Any, ...]
 def set_key(ref: RecordSetRef) -> SetKey:
     """The memo key of ``ref``: equal exactly when the references are equal."""
     manifest = ref.manifest
-    s = manifest.segment
-    return (s.run_id, s.path, s.segment_id, s.size, s.checksum, s.version, s.checksum_algorithm, s.offset,
-            manifest.ordinal, ref.digest, ref.records, ref.payload_bytes, ref.tokens)  # fmt: skip
+    usage = (ref.records, ref.payload_bytes, ref.tokens)
+    return (*segment_key(manifest.segment), manifest.ordinal, ref.digest, *usage)
 
 
 #: Record sets the stores of this process published, resolved, by their exact reference.
@@ -708,7 +704,7 @@ def _share_written(
     if not refs:
         return
     segment = refs[0].manifest.segment
-    if SHARED_INDEXES.get(segment) is None:
+    if not SHARED_INDEXES.holds(segment):
         return
     items = []
     for ref, manifest, publication in zip(refs, manifests, publications, strict=True):

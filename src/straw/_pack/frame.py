@@ -202,8 +202,8 @@ class IndexEntry:
 #: it only once a pass has met the inner one first, hence one flat tuple per entry.
 Row = tuple[Any, ...]
 
-_SCALARS = (str, int, float, bool, type(None))
-_SCALAR_TYPES = frozenset(_SCALARS)
+#: A row's metadata values kept as they are (the rest as their canonical JSON bytes).
+SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})
 _PAIRS = 8  # where a row's metadata keys and values start
 
 
@@ -221,7 +221,7 @@ def metadata_pairs(metadata: dict[str, Any]) -> tuple[Any, ...]:
     out: list[Any] = []
     for key, value in metadata.items():
         out.append(key)
-        out.append(value if type(value) in _SCALAR_TYPES else encode(value))
+        out.append(value if type(value) in SCALAR_TYPES else encode(value))
     return tuple(out)
 
 

@@ -147,6 +147,10 @@ class SharedIndexes:
         found = self._items.get(segment_key(segment))
         return frame.Index.of_rows(found[0], found[1], found[2:]) if found is not None else None
 
+    def holds(self, segment: SegmentRef) -> bool:
+        """Whether the index of ``segment`` is here (nothing is built)."""
+        return self._items.get(segment_key(segment)) is not None
+
     def put(self, segment: SegmentRef, index: frame.Index) -> None:
         self.put_rows(segment, index.submission_id, index.chunk_bytes, index.rows)
 

@@ -111,8 +111,7 @@ def owned_row(metadata: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, .
     pairs: list[Any] = []
     try:
         for key, value in metadata.items():
-            kind = type(value)
-            if kind is str or kind is int or kind is float or kind is bool or value is None:
+            if type(value) in frame.SCALAR_TYPES:  # (the row's rule: frame.metadata_pairs)
                 owned[_plain_key(key)] = value
                 pairs += (key, value)
             else:

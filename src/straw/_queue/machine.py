@@ -92,6 +92,11 @@ lease_values: Callable[[Lease], tuple[Any, ...]] = operator.attrgetter(*LEASE_FI
 #: Where ``Task.held`` keeps a lease's attempt, token and worker.
 HELD_ATTEMPT, HELD_TOKEN, HELD_WORKER = (LEASE_FIELDS.index(n) for n in ("attempt_id", "token", "worker_id"))
 
+#: A lease's leading fields that its task and queue imply: a snapshot or history row keeps
+#: only the values after them (``_held_row``, ``_row_lease``).
+_IMPLIED = ("run_id", "queue_id", "task_id")
+invariant(LEASE_FIELDS[: len(_IMPLIED)] == _IMPLIED, "a lease's implied fields come first")
+
 
 class Task:
     """One task's live state.
@@ -1445,7 +1450,7 @@ def task_from_row(row: Sequence[Any], state: QueueState) -> Task:
         generation,
         failures,
         failure,
-        Lease(state.run_id, state.queue_id, task_id, *lease) if lease is not None else None,
+        _row_lease(state, task_id, lease),
         deadline,
     )
 
@@ -1456,10 +1461,15 @@ def _held_row(task: Task, state: QueueState) -> list[Any] | None:
     if held is None:
         return None
     invariant(
-        held[:3] == (state.run_id, state.queue_id, task.spec.task_id),
+        held[: len(_IMPLIED)] == (state.run_id, state.queue_id, task.spec.task_id),
         "a task's lease was minted by its own queue",
     )
-    return list(held[3:])
+    return list(held[len(_IMPLIED) :])
+
+
+def _row_lease(state: QueueState, task_id: str, row: Sequence[Any] | None) -> Lease | None:
+    """The lease :func:`_held_row` kept as ``row`` (checked as any Lease is)."""
+    return Lease(state.run_id, state.queue_id, task_id, *row) if row is not None else None
 
 
 #: Version of the snapshot body (``state_to_dict``). 2: the accepted log as rows, segment rows
@@ -1533,7 +1543,7 @@ def _state_from_dict(data: Mapping[str, Any], limits: Mapping[str, int]) -> Queu
             generation,
             failures,
             failure,
-            Lease(state.run_id, state.queue_id, spec.task_id, *lease) if lease is not None else None,
+            _row_lease(state, spec.task_id, lease),
             deadline,
         )
         state.tasks[spec.task_id] = task
