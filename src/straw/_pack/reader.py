@@ -177,7 +177,7 @@ def remember_written(segment: SegmentRef, submission_id: str, rows: Sequence[fra
     """Share the index of an extent this process just made durable (the writer calls it).
 
     The writer calls it only with rows made from a plain JSON copy of each record's metadata
-    (``writer.owned_metadata``): they equal what reading the index frame back would give.
+    (``writer.owned_row``): they equal what reading the index frame back would give.
     """
     SHARED_INDEXES.put_rows(segment, submission_id, CHUNK_BYTES, rows)
 

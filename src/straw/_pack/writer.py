@@ -46,7 +46,7 @@ class Entry(NamedTuple):
     #: A manifest body kept inside the index frame (no record frame is written).
     inline: dict[str, object] | None = None
     #: The metadata's canonical JSON text (what the index frame and the logical digest hold)
-    #: and, when it is plain JSON, the copy that text was made from (:func:`owned_metadata`),
+    #: and, when it is plain JSON, the copy that text was made from (:func:`owned_row`),
     #: which the written index shares with readers. Every record the store checks has it
     #: (``SharedFilesystemStore._entry``); an inline manifest has none.
     meta_text: str = ""
