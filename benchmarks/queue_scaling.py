@@ -14,11 +14,13 @@
    completed task, and, in a fresh process (so freed memory does not count), the reopen
    time, the RSS after it and ``lookup_submission`` of the first task (p50). With
    ``--batched`` each worker completes its 64 results with one ``complete_tasks`` call.
+   ``--threads 1,2,4`` repeats each count with that many worker threads (default 4): the
+   complete_task tail grows with the threads that share the interpreter's lock.
 
 Usage::
 
     .venv/bin/python benchmarks/queue_scaling.py [--root DIR] [--pending 1000,10000,100000,1000000]
-        [--completed 200000] [--history 100000] [--json out.json]
+        [--completed 200000] [--history 100000] [--threads 4] [--json out.json]
 
 Numbers are printed as a table; nothing here is a pass/fail test.
 """
@@ -400,6 +402,7 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
     store.close()
     row: dict[str, float] = {
         "completed": completed,
+        "threads": threads,
         "batched": batched,
         "rss_live_mib": rss_live / 2**20,
         "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -452,6 +455,7 @@ def reopen(path: str) -> None:
 
 HISTORY_COLUMNS = (
     ("completed", "completed", "{:.0f}"),
+    ("threads", "threads", "{:.0f}"),
     ("batched", "complete_tasks(64)", "{!s}"),
     ("rss_live_mib", "RSS live MiB", "{:.0f}"),
     ("rss_peak_mib", "RSS peak MiB", "{:.0f}"),
@@ -493,6 +497,9 @@ def main() -> None:
     )
     parser.add_argument("--batched", action="store_true", help="history runs complete with complete_tasks")
     parser.add_argument(
+        "--threads", default="4", help="worker threads of the history runs (a list repeats them)"
+    )
+    parser.add_argument(
         "--census",
         action="store_true",
         help="trace allocations (slower) and print, after each history run, the top live allocations "
@@ -529,7 +536,13 @@ def main() -> None:
         tracemalloc.start(CENSUS_FRAMES)
         if args.census_dump:
             _CENSUS_DUMP.append(args.census_dump)
-    hist = [history(root, int(n), batched=args.batched) for n in args.history.split(",") if n]
+    hist = [
+        history(root, int(n), threads=int(k), batched=args.batched)
+        for n in args.history.split(",")
+        if n
+        for k in args.threads.split(",")
+        if k
+    ]
     if hist:
         print_history(hist)
     if args.json:

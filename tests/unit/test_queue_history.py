@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import queue_helpers as qh
 import straw.coordinator as coordinator_module
@@ -24,10 +26,11 @@ from straw import Coordinator, SharedFilesystemStore, TaskSpec
 from straw._journal import history_io
 from straw._queue import history
 from straw._queue.machine import new_state, state_from_dict, state_to_dict
+from straw._queue.progress import acknowledged
 from straw.cli import main
 from straw.errors import CorruptData, IdempotencyConflict, InvalidReference, StaleAttempt
 from straw.limits import HISTORY_UNMERGED_FILES_MAX
-from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode
+from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode, encode
 
 RUN = "run-history"
 OWNER = "history"
@@ -743,3 +746,97 @@ def test_a_state_reading_history_files_is_freed_without_the_cycle_collector(tmp_
             assert dropped() is None
         finally:
             gc.enable()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cursor=st.integers(0, 40),
+    positions=st.frozensets(st.integers(0, 60), max_size=12),
+    start=st.integers(0, 60),
+    length=st.integers(0, 25),
+)
+def test_range_questions_agree_with_asking_every_position(
+    cursor: int, positions: frozenset[int], start: int, length: int
+) -> None:
+    """``covers_all`` / ``covers_any`` answer what asking ``covers`` for each position of the
+    range would (an empty range is all acknowledged and has none acknowledged)."""
+    acked = acknowledged({"processed_cursor": cursor}, (positions, ()))
+    stop = start + length
+    each = [acked.covers(p) for p in range(start, stop)]
+    assert acked.covers_all(start, stop) == all(each)
+    assert acked.covers_any(start, stop) == any(each)
+
+
+def test_usage_and_roots_over_history_files_are_exact_and_keep_no_file_decoded(tmp_path: Path) -> None:
+    """Unprocessed results on disk count exactly in ``metrics()`` (files wholly processed,
+    untouched and cut by the training cursor or a listed position), and neither that nor a
+    collection leaves a file's meta row decoded in memory: each file keeps only three totals."""
+    root = str(tmp_path)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(12)])
+        refs: dict[int, RecordSetRef] = {}
+        for _ in range(4):  # one call, one snapshot, one history file of three positions
+            leases = [a.lease for a in coord.acquire("w", 3).assignments]
+            entries = []
+            for lease in leases:
+                ref = qh.result_for(store, lease, submission_id=f"sub-{lease.task_id}")
+                entries.append(
+                    {
+                        "lease": lease,
+                        "submission_id": f"sub-{lease.task_id}",
+                        "result_ref": ref,
+                        "result_digest": ref.digest,
+                    }
+                )
+            for receipt, entry in zip(coord.complete_tasks(entries), entries, strict=True):
+                refs[receipt.position] = entry["result_ref"]
+        coord.seal_input("seal")  # another snapshot: the first nine positions are on disk
+        files = coord._state.history.files
+        assert [(f.first, f.stop) for f in files if f.stop > f.first] == [(0, 3), (3, 6), (6, 9)]
+        assert coord._state.commits.base == 9  # the last three still in memory
+
+        def unprocessed() -> dict[str, int]:
+            used = coord.metrics()["usage_with_reservations"]["accepted_unprocessed"]
+            return {k: used[k] for k in ("records", "bytes", "tokens")}
+
+        def expected(acked: set[int]) -> dict[str, int]:
+            rest = [r for p, r in refs.items() if p not in acked]
+            return {
+                "records": sum(r.records for r in rest),
+                "bytes": sum(r.payload_bytes for r in rest),
+                "tokens": sum(r.tokens for r in rest),
+            }
+
+        assert unprocessed() == expected(set())
+        token = coord.open_consumer("training", exclusive_owner="trainer")
+        state = store.publish([Record("state", b"s")], submission_id="state")
+        progress = store.publish(
+            [
+                Record(
+                    "p",
+                    encode({"version": 1, "processed_positions": [7, 10], "finished_batches": []}),
+                    codec="json.v1",
+                )
+            ],
+            submission_id="progress",
+        )
+        coord.save_consumer_state(
+            "training",
+            token=token,
+            request_id="save",
+            state_ref=state,
+            fetch_cursor=12,
+            processed_cursor=4,
+            progress_ref=progress,
+        )
+        # File (0, 3) wholly processed, (3, 6) cut by the cursor, (6, 9) by a listed position, and
+        # the same for the positions still in memory (10).
+        assert unprocessed() == expected({0, 1, 2, 3, 7, 10})
+        coord.collect_garbage()
+        files = coord._state.history.files
+        kept = [f for f in files if f._block is not None]
+        assert len(kept) <= 1, "only the file a lookup read last keeps a block (History._warm)"
+        assert all(f._block[0] != f._meta_entry[0] for f in kept), "no file keeps its meta row"
+        for p, ref in refs.items():  # what is not processed is still readable (a root)
+            if p not in {0, 1, 2, 3, 7, 10}:
+                assert len(list(store.read(ref))) == 1

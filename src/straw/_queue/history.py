@@ -203,6 +203,7 @@ class HistoryFile:
         self._source = source
         self._block: tuple[int, list[Any]] | None = None  # the last block read, decoded
         self._hashes: tuple[array.array[int], array.array[int], array.array[int]] | None = None
+        self._totals: tuple[int, int, int] | None = None  # from the meta row, once read
         self._read_trailer()
         source.close()  # a file is read again only when a lookup needs it (it may never)
 
@@ -309,7 +310,8 @@ class HistoryFile:
             + ENTRY.size * (self.stop - self.first)
         )
 
-    def _row(self, entry: bytes | bytearray) -> Any:
+    def _row(self, entry: bytes | bytearray, *, keep: bool = True) -> Any:
+        """The row an index entry names; its block stays decoded (``_block``) when ``keep``."""
         offset, length, k, checksum = ENTRY.unpack(entry)
         if not HEADER.size <= offset <= offset + length <= self.index_at:
             raise self._corrupt(f"an index entry points outside its rows ({offset}+{length})")
@@ -328,7 +330,8 @@ class HistoryFile:
                 ) from None
             if not isinstance(rows, list):
                 raise self._corrupt(f"the block at offset {offset} is not a list of rows")
-            self._block = (offset, rows)
+            if keep:
+                self._block = (offset, rows)
         if k >= len(rows):
             raise self._corrupt(f"an index entry names row {k} of a block of {len(rows)}")
         return rows[k]
@@ -398,8 +401,19 @@ class HistoryFile:
         return rows
 
     def meta(self) -> Any:
+        """The file's meta row (its packs, workers and totals), read each time it is asked for:
+        it lists every pack a position reached, so keeping it decoded in every file would make
+        memory grow with history (issue 12), and the callers read each file's meta once per call."""
         offset, length, checksum = self._meta_entry
-        return self._row(ENTRY.pack(offset, length, 0, checksum))
+        return self._row(ENTRY.pack(offset, length, 0, checksum), keep=False)
+
+    def totals(self) -> tuple[int, int, int]:
+        """(records, payload bytes, tokens) of the file's accepted results: read from its meta
+        row once, then kept (three numbers per file)."""
+        totals = self._totals
+        if totals is None:
+            totals = self._totals = _totals(self.meta(), self._corrupt)
+        return totals
 
     def task_rows(self) -> Iterator[Any]:
         """Every task row, in hash order (views over the whole history)."""
@@ -420,6 +434,14 @@ class HistoryFile:
         for k in range(self.requests):
             self._row(entries[ENTRY.size * k : ENTRY.size * (k + 1)])
         self.meta()
+
+
+def _totals(meta: Any, corrupt: Callable[[str], CorruptData]) -> tuple[int, int, int]:
+    """A meta row's ``totals``, checked: three non-negative integers."""
+    found = meta.get("totals") if isinstance(meta, dict) else None
+    if not isinstance(found, list) or len(found) != 3 or any(type(n) is not int or n < 0 for n in found):
+        raise corrupt(f"its meta row's totals are not three counts: {str(found)[:80]}")
+    return found[0], found[1], found[2]
 
 
 def _probe(

@@ -1172,7 +1172,7 @@ class QueueState:
         for (task_id, attempt_id), inputs in self.read_inputs.items():
             for ref in inputs:
                 out.add(("read", task_id, attempt_id), ref)
-        self._history_roots(acked.covers, out)
+        self._history_roots(acked, out)
         covers, packs = acked.covers, out.packs
         for position, known in enumerate(self.commit_packs, self.commits.base):
             if not covers(position):
@@ -1185,11 +1185,14 @@ class QueueState:
         self.ledger.roots(acked.finished, out.add)
         return out
 
-    def _history_roots(self, acknowledged: Callable[[int], bool], out: Roots) -> None:
+    def _history_roots(self, acked: Acknowledged, out: Roots) -> None:
         """Roots among receipts on disk: a pack is needed while any position reaching it is not
-        acknowledged (each file lists its packs with their positions, read once per collection)."""
+        acknowledged (each file lists its packs with their positions, read once per collection).
+        A file whose every position is acknowledged is passed over without a read, and without
+        a step per position (the lock is held)."""
+        acknowledged = acked.covers
         for file in self.history.files:
-            if all(acknowledged(p) for p in range(file.first, file.stop)):
+            if acked.covers_all(file.first, file.stop):
                 continue  # every result of this file processed (or it holds none): no read
             meta = file.meta()
             for pack, positions in meta["packs"].items():
@@ -1252,11 +1255,12 @@ class QueueState:
                 add(ref["records"], ref["payload_bytes"], ref["tokens"])
 
         for file in self.history.files:
-            positions = range(file.first, file.stop)
-            if positions and not any(acknowledged(p) for p in positions):
-                add(*file.meta()["totals"])  # the usual case: nothing of the file processed
-            else:
-                add_results(p for p in positions if not acknowledged(p))
+            if acked.covers_all(file.first, file.stop):
+                continue  # every result of this file processed (or it holds none)
+            if not acked.covers_any(file.first, file.stop):
+                add(*file.totals())  # nothing of the file processed: its totals, kept per file
+            else:  # the few files the training cursor is inside of
+                add_results(p for p in range(file.first, file.stop) if not acknowledged(p))
         add_results(p for p in range(self.commits.base, len(self.commits)) if not acknowledged(p))
         inflight = control = 0
         reserved = dict(unprocessed)

@@ -12,8 +12,9 @@ into the accepted results it acknowledges.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, UnsupportedSchema
@@ -62,9 +63,32 @@ class Acknowledged:
     cursor: int
     positions: frozenset[int]
     finished: frozenset[str]
+    #: ``positions`` in order, for the range questions (they hold positions above the cursor
+    #: only, so this stays as small as the record's list).
+    _ordered: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ordered", tuple(sorted(self.positions)))
 
     def covers(self, position: int) -> bool:
         return position < self.cursor or position in self.positions
+
+    def _listed(self, start: int, stop: int) -> int:
+        """How many of ``positions`` lie in ``[start, stop)``."""
+        ordered = self._ordered
+        return bisect.bisect_left(ordered, stop) - bisect.bisect_left(ordered, start)
+
+    def covers_all(self, start: int, stop: int) -> bool:
+        """Whether every position in ``[start, stop)`` is acknowledged (an empty range is), in
+        time independent of the range's length: history files hold thousands of positions."""
+        low = max(start, self.cursor)
+        return low >= stop or self._listed(low, stop) == stop - low
+
+    def covers_any(self, start: int, stop: int) -> bool:
+        """Whether some position in ``[start, stop)`` is acknowledged (none of an empty range)."""
+        if start >= stop:
+            return False
+        return start < self.cursor or self._listed(start, stop) > 0
 
 
 def acknowledged(
