@@ -737,7 +737,7 @@ class Coordinator:
         file = history_files.HistoryFile(
             name, history_io.FileSource(path), sum(len(c) for c in chunks), checksum
         )
-        file.counts = dict(meta["counts"])
+        file.written(meta)  # its counts and totals, known here without reading them back
         file.load()  # here, off the lock: the first lookup of a call then reads no index
         task_ids = [t.spec.task_id for t in tasks]
         request_ids = [request_id for request_id, _ in requests]

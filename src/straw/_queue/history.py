@@ -407,6 +407,11 @@ class HistoryFile:
         offset, length, checksum = self._meta_entry
         return self._row(ENTRY.pack(offset, length, 0, checksum), keep=False)
 
+    def written(self, meta: Any) -> None:
+        """Take the counts and totals of the meta row this process just wrote into the file."""
+        self.counts = dict(meta["counts"])
+        self._totals = _totals(meta, self._corrupt)
+
     def totals(self) -> tuple[int, int, int]:
         """(records, payload bytes, tokens) of the file's accepted results: read from its meta
         row once, then kept (three numbers per file)."""
