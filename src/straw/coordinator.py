@@ -473,7 +473,7 @@ class Coordinator:
             event = ev.decode(body)
             if isinstance(event, ev.Epoch) and event.identity is not None:
                 identity[0] = event.identity
-            holder[0].apply(event)
+            holder[0].apply(event, replaying=True)
 
         def load(body: bytes) -> None:
             data = decode(body)

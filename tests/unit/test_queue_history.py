@@ -15,6 +15,7 @@ import tracemalloc
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -256,6 +257,37 @@ def test_recovery_reads_only_live_state_and_opens_history_files_lazily(tmp_path:
         assert state.commits.base == TASKS - 2 and not state.submissions
         assert all(f._hashes is None for f in state.history.files)  # trailers only so far
         assert coord.task_status("t03")["state"] == "completed"  # type: ignore[index]
+
+
+def test_a_retire_in_the_journal_tail_is_replayed_without_reading_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retire answers with every receipt of the worker, history files included; replaying the
+    same retire after a crash only revokes and ends (the reply is discarded), so recovery reads
+    no history file, and the retire's answer after it is still exact."""
+    root = str(tmp_path)
+    _build(root)
+    store = SharedFilesystemStore(root, RUN)
+    coord = Coordinator(store, exclusive_owner=OWNER, recover=True)
+    lease = coord.acquire("w1").assignments[0].lease  # t10, leased to the worker that retires
+    answered = coord.retire_worker("w1")
+    assert [r["position"] for r in answered] == list(range(TASKS - 2))
+    qh.crash(coord)  # the retire's frame is in the journal tail: no snapshot after it
+    reads: list[str] = []
+    meta = history.HistoryFile.meta
+
+    def counted(file: history.HistoryFile) -> Any:
+        reads.append(file.name)
+        return meta(file)
+
+    monkeypatch.setattr(history.HistoryFile, "meta", counted)
+    with Coordinator(store, exclusive_owner=OWNER, recover=True) as again:
+        assert reads == [], "recovery read history files"
+        assert again.task_status("t10")["state"] == "pending"  # type: ignore[index]
+        assert again.heartbeat([lease]) == ["StaleAttempt"]
+        assert [r["position"] for r in again.retire_worker("w1")] == list(range(TASKS - 2))
+        assert reads  # the live retire does read them
+    store.close()
 
 
 @pytest.mark.parametrize("damage", ["missing", "torn", "trailer"])

@@ -172,7 +172,7 @@ def _replay(view: QueueView, root: str) -> None:
             state = state_from_dict(data, limits, history_io.opener(os.path.join(root, view.directory)))
         for seq, body in view.journal.frames:
             event = events.decode(body)
-            state.apply(event)
+            state.apply(event, replaying=True)
             if isinstance(event, events.Epoch) and event.identity is not None:
                 recorded = event.identity
             if isinstance(event, events.Acquire):

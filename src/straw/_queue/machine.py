@@ -1058,10 +1058,16 @@ class QueueState:
         reads = [list(key) for key, lease in self.reads.items() if lease.worker_id == worker_id]
         return ev.Retire(worker_id=worker_id, leased=leased, reads=reads)
 
-    def _apply_retire(self, event: ev.Retire) -> list[Receipt]:
+    def _replay_retire(self, event: ev.Retire) -> list[Receipt]:
+        """A retire's effect without its reply: replay discards replies, and this one reads every
+        history file (recovery reads only live state, DURABILITY.md J4)."""
         self._reclaim(event.leased, f"worker {event.worker_id} retired")
         for task_id, attempt_id in event.reads:
             self._end_read((task_id, attempt_id))
+        return []
+
+    def _apply_retire(self, event: ev.Retire) -> list[Receipt]:
+        self._replay_retire(event)
         worker = event.worker_id
         on_disk = [p for file in self.history.files for p in file.meta()["workers"].get(worker, ())]
         base = self.commits.base
@@ -1144,10 +1150,11 @@ class QueueState:
 
     # ------------------------------------------------------------------ dispatch
 
-    def apply(self, event: ev.Op[R]) -> R:
+    def apply(self, event: ev.Op[R], *, replaying: bool = False) -> R:
         """Perform one event (live or replayed); its reply. Events come from a check or from
-        :func:`events.decode`, which refuses unknown ops, so every type has a handler."""
-        handler = _APPLY.get(type(event))
+        :func:`events.decode`, which refuses unknown ops, so every type has a handler.
+        ``replaying``: the same effect, but a reply replay would discard may be left out."""
+        handler = (_REPLAY if replaying else _APPLY).get(type(event))
         if handler is None:
             invariant(False, f"event type {type(event).__name__} has a handler")
             return cast(R, None)  # unreachable: invariant raised
@@ -1620,6 +1627,13 @@ _APPLY: dict[type[Event], Callable[[QueueState, Any], object]] = {
     ev.ReleaseHistory: _on_ledger(Ledger.apply_release_history),
 }
 invariant(_APPLY.keys() == set(ev.OPS.values()), "every journal op has a handler")
+
+#: Replay's handlers: the same effects, without replies that cost more than the effect and
+#: that replay would discard (a retire's receipts read the whole history).
+_REPLAY: dict[type[Event], Callable[[QueueState, Any], object]] = {
+    **_APPLY,
+    ev.Retire: QueueState._replay_retire,
+}
 
 
 # ---------------------------------------------------------------------- spec helpers
