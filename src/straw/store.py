@@ -1421,7 +1421,9 @@ class SharedFilesystemStore:
         packs = {ref.manifest.segment.path} | resolved.record_paths()
         self._check_present(packs, "result")
         if resolved.dependencies:
-            packs |= self.reach(resolved.dependencies, adoption=adoption)
+            more = self._reach(resolved.dependencies, adoption) - packs  # each pack looked at once
+            self._check_present(more, "record set")
+            packs |= more
         return packs
 
     def reach(
@@ -1436,6 +1438,12 @@ class SharedFilesystemStore:
         store of this process made durable (docs/DURABILITY.md D5): ``retain`` and the
         queue's ownership of inputs and results mostly name what this process just wrote.
         """
+        packs = self._reach(refs, adoption)
+        self._check_present(packs, "record set")
+        return packs
+
+    def _reach(self, refs: Iterable[RecordSetRef | RecordRef], adoption: Adoption | None) -> set[str]:
+        """:meth:`reach` before its packs are looked for on disk."""
         session = self._session(shared=True)
         packs: set[str] = set()
         seen: set[tuple[str, int, int]] = set()
@@ -1458,7 +1466,6 @@ class SharedFilesystemStore:
             packs.add(ref.manifest.segment.path)
             packs.update(r.segment.path for r in resolved.records)
             todo.extend(resolved.dependencies)
-        self._check_present(packs, "record set")
         return packs
 
     def _check_present(self, packs: Iterable[str], what: str) -> None:

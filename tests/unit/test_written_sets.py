@@ -164,6 +164,34 @@ def test_validation_needs_the_pack_to_exist(store: SharedFilesystemStore) -> Non
         store.validate_reach(ref, task_id="t", attempt_id="a")
 
 
+def test_validation_looks_for_each_pack_once_and_needs_the_dependencies_packs(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result and a dependency in the same pack: that pack is looked for once. A dependency
+    in a pack deleted behind the store's back is refused as gone, naming the record set."""
+    meta = {"task_id": "t", "attempt_id": "a"}
+    part = store.publish([Record("part", b"p")], submission_id="part")
+    ref = store.publish([Record("a", b"payload", metadata=meta)], submission_id="s", dependencies=[part])
+    looked: list[str] = []
+    exists = store_module.posix.exists
+
+    def counted(path: str) -> bool:
+        looked.append(path)
+        return exists(path)
+
+    monkeypatch.setattr(store_module.posix, "exists", counted)
+    assert store.validate_reach(ref, task_id="t", attempt_id="a") == {ref.manifest.segment.path}
+    assert len(looked) == 1
+    with SharedFilesystemStore(store.backend.root, RUN) as other:  # another writer: another pack
+        elsewhere = other.publish([Record("far", b"f")], submission_id="far")
+    far = store.publish(
+        [Record("b", b"payload", metadata=meta)], submission_id="s2", dependencies=[elsewhere]
+    )
+    (Path(store.backend.root) / elsewhere.manifest.segment.path).unlink()
+    with pytest.raises(StorageUnavailable, match="holding this record set no longer exists"):
+        store.validate_reach(far, task_id="t", attempt_id="a")
+
+
 def test_a_retain_of_data_deleted_outside_collection_is_refused_and_records_nothing(
     store: SharedFilesystemStore,
 ) -> None:
