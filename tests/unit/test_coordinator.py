@@ -619,9 +619,9 @@ def test_close_writes_a_snapshot(make: Any) -> None:
     applied = []
     real_apply = QueueState.apply
 
-    def counting(self: QueueState, event: events.Event) -> Any:
+    def counting(self: QueueState, event: events.Event, **options: bool) -> Any:
         applied.append(event.OP)
-        return real_apply(self, event)
+        return real_apply(self, event, **options)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(QueueState, "apply", counting)
@@ -1089,9 +1089,9 @@ def test_j5_snapshots_bound_what_recovery_replays(make: Any, monkeypatch: pytest
     applied: list[str] = []
     real_apply = QueueState.apply
 
-    def counting(self: QueueState, event: events.Event) -> Any:
+    def counting(self: QueueState, event: events.Event, **options: bool) -> Any:
         applied.append(event.OP)
-        return real_apply(self, event)
+        return real_apply(self, event, **options)
 
     monkeypatch.setattr(QueueState, "apply", counting)
     again = make(recover=True)
@@ -1338,11 +1338,11 @@ def test_j3_an_apply_failure_stops_the_coordinator_and_leaves_no_half_transactio
     coord.submit_tasks("r1", [TaskSpec("a")])
     real_apply = QueueState.apply
 
-    def half_apply(self: QueueState, event: events.Event) -> Any:
+    def half_apply(self: QueueState, event: events.Event, **options: bool) -> Any:
         if isinstance(event, events.Submit) and event.request_id == "r2":
             self.tasks.clear()  # damage the live state, then fail like a bug would
             raise RuntimeError("apply bug")
-        return real_apply(self, event)
+        return real_apply(self, event, **options)
 
     monkeypatch.setattr(QueueState, "apply", half_apply)
     with pytest.raises(RuntimeError, match="apply bug"):
