@@ -1430,13 +1430,10 @@ class Coordinator:
         """
         # The record is read without the lock; what it acknowledges is then judged by the ledger.
         progress = self._read_progress(self._query(lambda: self._state.ledger.progress_ref()))
-
-        def unprocessed_files() -> list[history_files.HistoryFile]:
-            acked = self._state.ledger.acknowledged(progress)
-            return [f for f in self._state.history.files if not acked.covers_any(f.first, f.stop)]
-
-        # Files whose totals count are read (once per process) before the lock is taken again.
-        for file in self._query(unprocessed_files):
+        # The totals of the files usage counts whole are read (once per process) off the lock.
+        for file in self._query(
+            lambda: self._state.files_counted_whole(self._state.ledger.acknowledged(progress))
+        ):
             file.totals()
         return self._query(lambda: self._state.usage(self._state.ledger.acknowledged(progress)))
 

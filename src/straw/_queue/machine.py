@@ -1244,6 +1244,10 @@ class QueueState:
 
     # ------------------------------------------------------------------ views
 
+    def files_counted_whole(self, acked: Acknowledged) -> list[HistoryFile]:
+        """The history files :meth:`usage` counts by their totals (their meta rows, once read)."""
+        return [file for file in self.history.files if _counted_whole(acked, file)]
+
     def usage(self, acked: Acknowledged) -> dict[str, Any]:
         """Accounting of the peer's ``_usage`` (diagnostic; nothing is refused by it): accepted
         results ``acked`` does not cover, plus the estimates of leased production tasks; ready
@@ -1262,11 +1266,9 @@ class QueueState:
                 add(ref["records"], ref["payload_bytes"], ref["tokens"])
 
         for file in self.history.files:
-            if acked.covers_all(file.first, file.stop):
-                continue  # every result of this file processed (or it holds none)
-            if not acked.covers_any(file.first, file.stop):
-                add(*file.totals())  # nothing of the file processed: its totals, kept per file
-            else:  # the few files the training cursor is inside of
+            if _counted_whole(acked, file):
+                add(*file.totals())  # the usual case: its totals, kept per file
+            elif not acked.covers_all(file.first, file.stop):  # the cursor is inside this file
                 add_results(p for p in range(file.first, file.stop) if not acknowledged(p))
         add_results(p for p in range(self.commits.base, len(self.commits)) if not acknowledged(p))
         inflight = control = 0
@@ -1446,6 +1448,11 @@ def task_row(task: Task, state: QueueState) -> list[Any]:
         refs,
         rows[0],
     ]
+
+
+def _counted_whole(acked: Acknowledged, file: HistoryFile) -> bool:
+    """A history file that holds results none of which ``acked`` covers: it counts whole."""
+    return file.stop > file.first and not acked.covers_any(file.first, file.stop)
 
 
 def task_from_row(row: Sequence[Any], state: QueueState) -> Task:
