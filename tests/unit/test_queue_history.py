@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import threading
 import tracemalloc
 import zlib
 from collections.abc import Iterator
@@ -872,3 +873,85 @@ def test_usage_and_roots_over_history_files_are_exact_and_keep_no_file_decoded(t
         for p, ref in refs.items():  # what is not processed is still readable (a root)
             if p not in {0, 1, 2, 3, 7, 10}:
                 assert len(list(store.read(ref))) == 1
+
+
+def test_a_retire_reads_history_files_without_the_lock_and_answers_work_done_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retire reads the worker's receipts in history files before taking the coordinator's
+    lock: while that read is held, other calls go on, even ones that write a new history file;
+    the answer still names every receipt of the worker (the new file is read under the lock)
+    and no file is read twice."""
+    root = str(tmp_path)
+    _build(root)
+    store = SharedFilesystemStore(root, RUN)
+    coord = Coordinator(store, exclusive_owner=OWNER, recover=True)
+    reads: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+    original = history.HistoryFile.worker_receipts
+
+    def held(file: history.HistoryFile, worker: str) -> list[dict[str, Any]]:
+        reads.append(file.name)
+        if len(reads) == 1:
+            entered.set()
+            assert release.wait(30), "the test never released the read"
+        return original(file, worker)
+
+    monkeypatch.setattr(history.HistoryFile, "worker_receipts", held)
+    files_before = len(coord._state.history.files)
+    answers: list[list[dict[str, Any]]] = []
+    retiring = threading.Thread(target=lambda: answers.append(coord.retire_worker("w1")))
+    retiring.start()
+    try:
+        assert entered.wait(30)
+
+        # The retire is reading: a worker acquires and completes under the lock meanwhile, and
+        # the snapshots of the next calls move the result to a new history file.
+        def meanwhile() -> None:
+            _work(coord, 1, "w1")
+            for more in range(4):  # (a file is written by one snapshot, taken in by a later one)
+                coord.submit_tasks(f"more-{more}", [TaskSpec(f"m{more}")])
+
+        other = threading.Thread(target=meanwhile)
+        other.start()
+        other.join(30)
+        assert not other.is_alive(), "a call waited for the retire's reading of history"
+        assert len(coord._state.history.files) > files_before
+    finally:
+        release.set()
+        retiring.join(30)
+    assert not retiring.is_alive()
+    assert [r["position"] for r in answers[0]] == list(range(TASKS - 1))
+    assert sorted(reads) == sorted(f.name for f in coord._state.history.files)  # each file once
+    assert coord.heartbeat([]) == []
+    coord.close()
+    store.close()
+
+
+def test_a_worker_table_naming_positions_outside_its_file_fails_the_retire_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A history file whose worker table names positions it does not hold fails the retire with
+    CorruptData naming the file, before anything is journaled: the worker's lease still holds."""
+    root = str(tmp_path)
+    _build(root)
+    store = SharedFilesystemStore(root, RUN)
+    with Coordinator(store, exclusive_owner=OWNER, recover=True) as coord:
+        lease = coord.acquire("w1").assignments[0].lease
+        first = coord._state.history.files[0]
+        meta = history.HistoryFile.meta
+
+        def damaged(file: history.HistoryFile) -> Any:
+            row = meta(file)
+            if file is first:
+                row = {**row, "workers": {"w1": [file.stop + 5]}}
+            return row
+
+        monkeypatch.setattr(history.HistoryFile, "meta", damaged)
+        with pytest.raises(CorruptData, match=first.name):
+            coord.retire_worker("w1")
+        monkeypatch.setattr(history.HistoryFile, "meta", meta)
+        assert coord.heartbeat([lease]) == ["extended"]  # the retire did not happen
+        assert [r["position"] for r in coord.retire_worker("w1")] == list(range(TASKS - 2))
+        assert coord.heartbeat([lease]) == ["StaleAttempt"]
+    store.close()

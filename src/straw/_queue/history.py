@@ -407,6 +407,23 @@ class HistoryFile:
         offset, length, checksum = self._meta_entry
         return self._row(ENTRY.pack(offset, length, 0, checksum), keep=False)
 
+    def worker_receipts(self, worker: str) -> list[dict[str, Any]]:
+        """The receipts of the positions of this file that ``worker`` completed, in order.
+
+        Reads the meta row and the worker's rows and keeps no block decoded afterwards (a
+        retire asks every file); any thread may ask (a file never changes once written)."""
+        meta = self.meta()
+        workers = meta.get("workers") if isinstance(meta, dict) else None
+        if not isinstance(workers, dict):
+            raise self._corrupt("its meta row has no worker table")
+        positions = workers.get(worker, ())
+        if not all(type(p) is int and self.first <= p < self.stop for p in positions):
+            raise self._corrupt(f"its worker table names positions of worker {worker!r} outside its receipts")
+        try:
+            return [self.receipt(p)[0] for p in positions]
+        finally:
+            self.forget_block()
+
     def written(self, meta: Any) -> None:
         """Take the counts and totals of the meta row this process just wrote into the file."""
         self.counts = dict(meta["counts"])
@@ -574,6 +591,8 @@ class History:
         self.runs: list[IndexRun] = list(runs)
         self._merged = merged
         self._last_read: HistoryFile | None = None
+        #: worker -> its receipts in some files, read ahead of the coordinator's lock (read_ahead)
+        self._ahead: dict[str, dict[HistoryFile, list[dict[str, Any]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.files)
@@ -762,6 +781,27 @@ class History:
         if last is not None and last is not file:
             last.forget_block()
         self._last_read = file
+
+    def read_ahead(self, worker: str, files: Sequence[HistoryFile]) -> None:
+        """Read ``worker``'s receipts in ``files`` for its next :meth:`worker_receipts`.
+
+        The coordinator calls this without its lock (a retire would otherwise read every file
+        under it: about a millisecond per file); files written since are read by
+        :meth:`worker_receipts` itself. :meth:`drop_ahead` forgets what was not used."""
+        self._ahead[worker] = {file: file.worker_receipts(worker) for file in files}
+
+    def drop_ahead(self, worker: str) -> None:
+        self._ahead.pop(worker, None)
+
+    def worker_receipts(self, worker: str) -> list[dict[str, Any]]:
+        """Every receipt of ``worker`` held in history files, in position order (what it read
+        ahead is used once, then forgotten)."""
+        ahead = self._ahead.pop(worker, {})
+        out: list[dict[str, Any]] = []
+        for file in self.files:
+            found = ahead.get(file)
+            out += file.worker_receipts(worker) if found is None else found
+        return out
 
     def counts(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -1069,10 +1069,9 @@ class QueueState:
     def _apply_retire(self, event: ev.Retire) -> list[Receipt]:
         self._replay_retire(event)
         worker = event.worker_id
-        on_disk = [p for file in self.history.files for p in file.meta()["workers"].get(worker, ())]
         base = self.commits.base
         in_memory = [p for p, w in enumerate(self.commit_workers, base) if w == worker]
-        return [self.commits[p] for p in on_disk + in_memory]
+        return self.history.worker_receipts(worker) + [self.commits[p] for p in in_memory]
 
     def check_release_reads(self, leases: Sequence[Lease]) -> ev.ReleaseReads:
         return ev.ReleaseReads(reads=self._lease_pairs(list(leases)))
