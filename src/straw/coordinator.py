@@ -44,6 +44,7 @@ from ._queue.machine import (
     Answer,
     Planned,
     QueueState,
+    history_needs,
     new_state,
     ref_key,
     state_from_dict,
@@ -1451,6 +1452,11 @@ class Coordinator:
         The queue pauses while its roots are computed and recorded, so no call
         can name a reference in between (G6).
         """
+        # What history files need is read before the lock, under the acknowledgement of that
+        # moment; under the lock it is used only if the acknowledgement then includes that one
+        # (a rewind in between: the files are read again, under the lock).
+        before, files = self._query(lambda: (self._acknowledgements(), tuple(self._state.history.files)))
+        ahead = history_needs(files, before)
         with self._lock:
             self._usable()
             acked = self._acknowledgements()
@@ -1459,7 +1465,7 @@ class Coordinator:
             # losing it only turns that message into a missing-file error.
             release = self._state.ledger.check_release_history((acked.cursor, acked.positions))
             seq = self._journal_locked(release)[0] if release is not None else None
-            roots = self._state.roots(acked)
+            roots = self._state.roots(acked, ahead=ahead if acked.includes(before) else None)
             listed, packs = roots.refs, roots.packs
             unknown, known = self._state.known_reach(listed)  # item 12: no reads for these
             refs = [RecordSetRef.from_dict(d) for d in unknown]

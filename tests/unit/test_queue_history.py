@@ -955,3 +955,111 @@ def test_a_worker_table_naming_positions_outside_its_file_fails_the_retire_close
         assert [r["position"] for r in coord.retire_worker("w1")] == list(range(TASKS - 2))
         assert coord.heartbeat([lease]) == ["StaleAttempt"]
     store.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 30),
+    st.frozensets(st.integers(0, 40), max_size=8),
+    st.integers(0, 30),
+    st.frozensets(st.integers(0, 40), max_size=8),
+)
+def test_includes_agrees_with_asking_every_position(
+    cursor: int, positions: frozenset[int], other_cursor: int, other_positions: frozenset[int]
+) -> None:
+    """``a.includes(b)``: every position ``b`` acknowledges, ``a`` acknowledges too."""
+    a = acknowledged({"processed_cursor": cursor}, (positions, ()))
+    b = acknowledged({"processed_cursor": other_cursor}, (other_positions, ()))
+    assert a.includes(b) == all(a.covers(p) for p in range(50) if b.covers(p))
+
+
+def _separate_packs(root: str, coord: Coordinator, count: int) -> dict[int, RecordSetRef]:
+    """``count`` results, each published by a store of its own (a pack of its own)."""
+    refs: dict[int, RecordSetRef] = {}
+    for _ in range(count):
+        lease = coord.acquire("w").assignments[0].lease
+        with SharedFilesystemStore(root, RUN) as own:
+            ref = qh.result_for(own, lease, submission_id=f"sub-{lease.task_id}")
+        receipt = coord.complete_task(
+            lease, submission_id=f"sub-{lease.task_id}", result_ref=ref, result_digest=ref.digest
+        )
+        refs[receipt.position] = ref
+    return refs
+
+
+def _acknowledge(coord: Coordinator, token: str, cursor: int, request_id: str) -> None:
+    state = coord.store.publish([Record("state", b"s")], submission_id=f"state-{request_id}")
+    coord.save_consumer_state(
+        "training",
+        token=token,
+        request_id=request_id,
+        state_ref=state,
+        fetch_cursor=cursor,
+        processed_cursor=cursor,
+    )
+
+
+def test_a_collection_reads_history_before_the_lock_and_a_rewind_meanwhile_keeps_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collection reads what history files need before taking the coordinator's lock, and
+    other calls go on meanwhile; it collects what it would have collected reading them under
+    the lock. A consumer that rewinds in between makes it read them again under the lock: the
+    results the rewind gave back to the queue keep their packs."""
+    root = str(tmp_path)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(8)])
+        refs = _separate_packs(root, coord, 6)
+        token = coord.open_consumer("training", exclusive_owner="trainer")
+        _acknowledge(coord, token, 4, "ack-4")
+        assert coord._state.history.base >= 4  # positions 0-3 live in history files
+        packs = {p: ref.manifest.segment.path for p, ref in refs.items()}
+        assert len(set(packs.values())) == len(packs)
+        original = coordinator_module.history_needs
+        seen: list[Any] = []
+
+        # 1. A rewind between the reading and the lock: what was read (under cursor 4, so
+        # without the packs of positions 0-3) is not used, and every result keeps its pack.
+        def rewinding(files: Any, acked: Any) -> Any:
+            found = original(files, acked)
+            seen.append(found)
+            _acknowledge(coord, token, 0, "rewind-0")
+            return found
+
+        monkeypatch.setattr(coordinator_module, "history_needs", rewinding)
+        coord.collect_garbage()
+        assert not {packs[p] for p in range(4)} & set().union(*(n[0] for n in seen[0].values()))
+        assert {packs[p] for p in range(6)} <= set(coord._owned)
+        for ref in refs.values():
+            assert list(store.read(ref))
+        _acknowledge(coord, token, 4, "ack-4-again")
+
+        # 2. The reading is held: a call goes on meanwhile.
+        entered, release = threading.Event(), threading.Event()
+
+        def held(files: Any, acked: Any) -> Any:
+            entered.set()
+            assert release.wait(30)
+            return original(files, acked)
+
+        monkeypatch.setattr(coordinator_module, "history_needs", held)
+        collecting = threading.Thread(target=coord.collect_garbage)
+        collecting.start()
+        try:
+            assert entered.wait(30)
+            other = threading.Thread(target=lambda: coord.heartbeat([]))
+            other.start()
+            other.join(30)
+            assert not other.is_alive(), "a call waited for the collection's reading of history"
+        finally:
+            release.set()
+            collecting.join(30)
+        assert not collecting.is_alive()
+        with_ahead = set(coord._owned)
+        assert not {packs[p] for p in range(4)} & with_ahead  # processed: no longer the queue's
+        assert {packs[p] for p in range(4, 6)} <= with_ahead
+
+        # 3. The same collection reading every file under the lock owns the same packs.
+        monkeypatch.setattr(coordinator_module, "history_needs", lambda files, acked: {})
+        coord.collect_garbage()
+        assert set(coord._owned) == with_ahead

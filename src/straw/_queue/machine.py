@@ -18,7 +18,7 @@ import copy
 import dataclasses
 import heapq
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -1165,11 +1165,13 @@ class QueueState:
 
     # ------------------------------------------------------------------ GC roots
 
-    def roots(self, acked: Acknowledged, *, labels: bool = False) -> Roots:
+    def roots(self, acked: Acknowledged, *, labels: bool = False, ahead: HistoryNeeds | None = None) -> Roots:
         """What the queue still needs (docs/GC.md "Queue roots"): inputs of live tasks and of
         outstanding reads, accepted results ``acked`` does not cover (the training consumer's
         acknowledgement, ``Ledger.acknowledged``), and the ledger's roots. The coordinator's
         collection and ``straw check`` both call this; ``labels`` records what needs each root.
+        ``ahead``: :func:`history_needs` of some history files under an acknowledgement that
+        ``acked`` includes (read before the lock); those files are not read again.
         """
         out = Roots(ref_labels=[] if labels else None, pack_labels={} if labels else None)
         for task in self.tasks.values():
@@ -1178,7 +1180,7 @@ class QueueState:
         for (task_id, attempt_id), inputs in self.read_inputs.items():
             for ref in inputs:
                 out.add(("read", task_id, attempt_id), ref)
-        self._history_roots(acked, out)
+        self._history_roots(acked, out, ahead or {})
         covers, packs = acked.covers, out.packs
         for position, known in enumerate(self.commit_packs, self.commits.base):
             if not covers(position):
@@ -1191,24 +1193,29 @@ class QueueState:
         self.ledger.roots(acked.finished, out.add)
         return out
 
-    def _history_roots(self, acked: Acknowledged, out: Roots) -> None:
+    def _history_roots(self, acked: Acknowledged, out: Roots, ahead: HistoryNeeds) -> None:
         """Roots among receipts on disk: a pack is needed while any position reaching it is not
         acknowledged (each file lists its packs with their positions, read once per collection).
         A file whose every position is acknowledged is passed over without a read, and without
-        a step per position (the lock is held)."""
+        a step per position (the lock is held). A file in ``ahead`` uses what was read of it:
+        the packs needed under an acknowledgement that ``acked`` includes, a superset of those
+        needed now (a collection then keeps a little more, never less)."""
         acknowledged = acked.covers
         for file in self.history.files:
             if acked.covers_all(file.first, file.stop):
                 continue  # every result of this file processed (or it holds none): no read
-            meta = file.meta()
-            for pack, positions in meta["packs"].items():
-                if out.pack_labels is not None:
+            if out.pack_labels is not None:
+                meta = file.meta()
+                for pack, positions in meta["packs"].items():
                     for p in positions:
                         if not acknowledged(p):
                             out.add_packs(("result", p), [pack])
-                elif pack not in out.packs and not all(acknowledged(p) for p in positions):
-                    out.packs.add(pack)
-            for p in meta["unknown"]:
+                unknown = meta["unknown"]
+            else:
+                found = ahead.get(file)
+                packs, unknown = found if found is not None else _file_needs(file, acked, out.packs)
+                out.packs.update(packs)
+            for p in unknown:
                 if not acknowledged(p):
                     out.add(("result", p), self.commits[p]["result_ref"])
 
@@ -1447,6 +1454,36 @@ def task_row(task: Task, state: QueueState) -> list[Any]:
         refs,
         rows[0],
     ]
+
+
+#: Per history file, what :func:`history_needs` found: the packs some position of it that the
+#: acknowledgement does not cover reaches, and its positions whose packs were not recorded.
+HistoryNeeds = dict[HistoryFile, tuple[set[str], list[int]]]
+
+
+def history_needs(files: Sequence[HistoryFile], acked: Acknowledged) -> HistoryNeeds:
+    """What :meth:`QueueState.roots` needs of each of ``files`` not wholly covered by ``acked``.
+
+    It reads each file's meta row and no live state (a file never changes once written), so the
+    coordinator calls it before taking its lock (a collection over a thousand files would
+    otherwise read about a second under it)."""
+    return {
+        file: _file_needs(file, acked, frozenset())
+        for file in files
+        if not acked.covers_all(file.first, file.stop)
+    }
+
+
+def _file_needs(file: HistoryFile, acked: Acknowledged, known: Collection[str]) -> tuple[set[str], list[int]]:
+    """One file's part of :func:`history_needs` (packs already in ``known`` are not looked at)."""
+    meta = file.meta()
+    acknowledged = acked.covers
+    packs = {
+        pack
+        for pack, positions in meta["packs"].items()
+        if pack not in known and not all(acknowledged(p) for p in positions)
+    }
+    return packs, list(meta["unknown"])
 
 
 def _counted_whole(acked: Acknowledged, file: HistoryFile) -> bool:

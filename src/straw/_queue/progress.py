@@ -84,6 +84,11 @@ class Acknowledged:
         low = max(start, self.cursor)
         return low >= stop or self._listed(low, stop) == stop - low
 
+    def includes(self, other: Acknowledged) -> bool:
+        """Whether every position ``other`` acknowledges is acknowledged here too (true when the
+        consumer only moved on; false after it rewound)."""
+        return self.covers_all(0, other.cursor) and all(self.covers(p) for p in other.positions)
+
     def covers_any(self, start: int, stop: int) -> bool:
         """Whether some position in ``[start, stop)`` is acknowledged (none of an empty range)."""
         if start >= stop:
