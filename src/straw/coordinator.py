@@ -1452,14 +1452,21 @@ class Coordinator:
         The queue pauses while its roots are computed and recorded, so no call
         can name a reference in between (G6).
         """
-        # What history files need is read before the lock, under the acknowledgement of that
-        # moment; under the lock it is used only if the acknowledgement then includes that one
-        # (a rewind in between: the files are read again, under the lock).
-        before, files = self._query(lambda: (self._acknowledgements(), tuple(self._state.history.files)))
+        # The progress record and what history files need are read before the lock, under the
+        # acknowledgement of that moment; under the lock they are used only if the record is
+        # still the same one and the acknowledgement then includes that one (after a rewind in
+        # between, the files are read again under the lock).
+        ref = self._query(lambda: self._state.ledger.progress_ref())
+        progress = self._read_progress(ref)
+        before, files = self._query(
+            lambda: (self._state.ledger.acknowledged(progress), tuple(self._state.history.files))
+        )
         ahead = history_needs(files, before)
         with self._lock:
             self._usable()
-            acked = self._acknowledgements()
+            ledger = self._state.ledger
+            now = ledger.progress_ref()
+            acked = ledger.acknowledged(progress if now == ref else self._read_progress(now))
             # The history the queue stops owning is journaled as released first (read_commits
             # then names it); the frame need not be durable before the catalog drops it, since
             # losing it only turns that message into a missing-file error.
