@@ -1426,10 +1426,21 @@ class Coordinator:
             return set(), set()
         return parse_progress(list(self.store.read(RecordSetRef.from_dict(ref))))
 
-    def _acknowledgements(self) -> Acknowledged:
-        """What the ``training`` consumer processed (lock held: reads the current state)."""
+    def _progress_ahead(self) -> tuple[Mapping[str, Any] | None, tuple[set[int], set[str]]]:
+        """The ``training`` consumer's progress record read without the lock, with the
+        reference it was read by (for :meth:`_acknowledgements`)."""
+        ref = self._query(lambda: self._state.ledger.progress_ref())
+        return ref, self._read_progress(ref)
+
+    def _acknowledgements(
+        self, ahead: tuple[Mapping[str, Any] | None, tuple[set[int], set[str]]] | None = None
+    ) -> Acknowledged:
+        """What the ``training`` consumer processed (lock held: reads the current state). A
+        record read ahead (:meth:`_progress_ahead`) is used while the consumer still names it."""
         ledger = self._state.ledger
-        return ledger.acknowledged(self._read_progress(ledger.progress_ref()))
+        ref = ledger.progress_ref()
+        progress = ahead[1] if ahead is not None and ahead[0] == ref else self._read_progress(ref)
+        return ledger.acknowledged(progress)
 
     def _usage(self) -> dict[str, Any]:
         """The peer's accounting view (``metrics()["usage_with_reservations"]``): accepted results
@@ -1438,13 +1449,11 @@ class Coordinator:
         Diagnostic only: nothing is refused by it (``Limits`` are identity fields, not quotas).
         """
         # The record is read without the lock; what it acknowledges is then judged by the ledger.
-        progress = self._read_progress(self._query(lambda: self._state.ledger.progress_ref()))
+        progress = self._progress_ahead()
         # The totals of the files usage counts whole are read (once per process) off the lock.
-        for file in self._query(
-            lambda: self._state.files_counted_whole(self._state.ledger.acknowledged(progress))
-        ):
+        for file in self._query(lambda: self._state.files_counted_whole(self._acknowledgements(progress))):
             file.totals()
-        return self._query(lambda: self._state.usage(self._state.ledger.acknowledged(progress)))
+        return self._query(lambda: self._state.usage(self._acknowledgements(progress)))
 
     def collect_garbage(self) -> dict[str, Any]:
         """Own exactly this queue's roots in the catalog, then collect the pool (docs/GC.md).
@@ -1456,17 +1465,14 @@ class Coordinator:
         # acknowledgement of that moment; under the lock they are used only if the record is
         # still the same one and the acknowledgement then includes that one (after a rewind in
         # between, the files are read again under the lock).
-        ref = self._query(lambda: self._state.ledger.progress_ref())
-        progress = self._read_progress(ref)
+        progress = self._progress_ahead()
         before, files = self._query(
-            lambda: (self._state.ledger.acknowledged(progress), tuple(self._state.history.files))
+            lambda: (self._acknowledgements(progress), tuple(self._state.history.files))
         )
         ahead = history_needs(files, before)
         with self._lock:
             self._usable()
-            ledger = self._state.ledger
-            now = ledger.progress_ref()
-            acked = ledger.acknowledged(progress if now == ref else self._read_progress(now))
+            acked = self._acknowledgements(progress)
             # The history the queue stops owning is journaled as released first (read_commits
             # then names it); the frame need not be durable before the catalog drops it, since
             # losing it only turns that message into a missing-file error.
