@@ -1464,7 +1464,7 @@ class Coordinator:
         # The progress record and what history files need are read before the lock, under the
         # acknowledgement of that moment; under the lock they are used only if the record is
         # still the same one and the acknowledgement then includes that one (after a rewind in
-        # between, the files are read again under the lock).
+        # between, the files are read again under the lock; DURABILITY.md G6).
         progress = self._progress_ahead()
         before, files = self._query(
             lambda: (self._acknowledgements(progress), tuple(self._state.history.files))
