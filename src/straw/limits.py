@@ -248,6 +248,12 @@ HISTORY_RUN_FILTER_PROBES = 4
 #: probes one filter per run: one full run per million tasks or so, plus a few small ones).
 HISTORY_RUN_ENTRIES_MAX = 1 << 21
 
+#: Descriptors of history files and index runs a process keeps open at once, the most recently
+#: read ones; the others are closed and reopened at their next read. A walk over every file
+#: (paging ``read_commits`` through history, a retire, a collection) would otherwise keep one
+#: per file: over a thousand at ten million tasks, past the common per-process limit of 1024.
+HISTORY_OPEN_FILES_MAX = 64
+
 #: Catalog log size after which its lock holder compacts it into a snapshot and a new log
 #: (the real threshold is the larger of this and twice the last snapshot, docs/GC.md G7).
 CATALOG_COMPACT_BYTES_MIN = 16 * MiB

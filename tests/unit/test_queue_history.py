@@ -1063,3 +1063,42 @@ def test_a_collection_reads_history_before_the_lock_and_a_rewind_meanwhile_keeps
         monkeypatch.setattr(coordinator_module, "history_needs", lambda files, acked: {})
         coord.collect_garbage()
         assert set(coord._owned) == with_ahead
+
+
+def _history_descriptors() -> int:
+    """Descriptors of this process open on queue history files and index runs."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        count += f"{os.sep}{history.HIST_DIR}{os.sep}" in target
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_walking_every_history_file_keeps_a_bounded_number_of_descriptors_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = str(tmp_path)
+    done = _build(root)
+    limit = 3
+    monkeypatch.setattr(history_io.OPEN, "limit", limit)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        files = coord._state.history.files
+        assert len(files) > limit + 2  # each walk below reads more files than may stay open
+        receipts = [r for r, _, _ in done]
+        for cursor in range(len(receipts)):  # paging through history reads every file in turn
+            assert list(coord.read_commits(cursor, 1).commits) == receipts[cursor : cursor + 1]
+            assert _history_descriptors() <= limit
+        assert [r["position"] for r in coord.retire_worker("w1")] == list(range(TASKS - 2))
+        assert _history_descriptors() <= limit
+        coord.collect_garbage()
+        assert _history_descriptors() <= limit
+        _assert_exact(coord, done)  # files given up are read again, answers unchanged
+        assert 0 < _history_descriptors() <= limit
+    assert _history_descriptors() == 0  # close gives up every descriptor left

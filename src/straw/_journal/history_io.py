@@ -2,29 +2,65 @@
 
 The pure format reads through :class:`FileSource`; the descriptor opens at the first read
 and is shared by every lookup (one lock, since lookups come from calls and from a snapshot
-thread alike). Writing a file is D0 (``straw._fs.durable``), done by the coordinator.
+thread alike). At most HISTORY_OPEN_FILES_MAX sources of the process hold a descriptor at
+once (:class:`OpenFiles`): the least recently read gives its up and reopens when read again.
+Writing a file is D0 (``straw._fs.durable``), done by the coordinator.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from .._fs import posix
+from ..limits import HISTORY_OPEN_FILES_MAX
 
 #: Where a queue keeps its history files (``straw._queue.history.HIST_DIR`` is the same name).
 HIST_DIR = "hist"
 
 
+class OpenFiles:
+    """The sources holding a descriptor, least recently read first, at most ``limit`` of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: OrderedDict[FileSource, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def read(self, source: FileSource) -> list[FileSource]:
+        """Note that ``source`` was just read (its descriptor open); the sources that must give
+        theirs up now, which the caller closes without holding any source's lock."""
+        with self._lock:
+            self._open[source] = None
+            self._open.move_to_end(source)
+            over = len(self._open) - self.limit
+            return [self._open.popitem(last=False)[0] for _ in range(max(0, over))]
+
+    def forget(self, source: FileSource) -> None:
+        with self._lock:
+            self._open.pop(source, None)
+
+
+#: Every history source of the process (a reopen costs one ``open``; a descriptor per file
+#: read costs one of the process's descriptors for as long as the queue lives).
+OPEN = OpenFiles(HISTORY_OPEN_FILES_MAX)
+
+
 class FileSource:
     """One history file on disk. A missing file raises ``FileNotFoundError``; any other OS
-    error is translated here (``QuotaExceeded``, ``StorageUnavailable``), naming the file."""
+    error is translated here (``QuotaExceeded``, ``StorageUnavailable``), naming the file.
+    ``close`` gives the descriptor up; a later read opens the file again."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, files: OpenFiles = OPEN) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._files = files
 
     def size(self) -> int:
         try:
@@ -39,17 +75,24 @@ class FileSource:
             with self._lock:
                 if self._fd is None:
                     self._fd = posix.open_read(self.path)
-                return posix.pread_exact(self._fd, size, offset)
+                data = posix.pread_exact(self._fd, size, offset)
         except FileNotFoundError:
             raise
         except OSError as error:  # a full disk stays QuotaExceeded, anything else StorageUnavailable
             raise posix.storage_error(error, f"reading queue history file {self.path}") from error
+        for other in self._files.read(self):
+            other._release()  # (never this source: it was just moved to the newest end)
+        return data
 
-    def close(self) -> None:
+    def _release(self) -> None:
         with self._lock:
             if self._fd is not None:
                 posix.close_quietly(self._fd)
                 self._fd = None
+
+    def close(self) -> None:
+        self._files.forget(self)
+        self._release()
 
 
 def opener(directory: str) -> Callable[[str], FileSource]:
