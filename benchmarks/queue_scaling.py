@@ -10,6 +10,7 @@
    of SUBMIT_BATCH while at most BACKLOG are unfinished (as an RL job's steps do), with
    default Limits. It prints the coordinator process's RSS at the end (live) and its
    peak, the slowest and the p99 ``complete_task`` (and how many took over 100 ms), the
+   journal's syncs (mean and slowest: the device's share of a ``complete_task``'s wait), the
    cycle p50 (a batch's wall time over its tasks), close() time, the queue's files per
    completed task, and, in a fresh process (so freed memory does not count), the reopen
    time, the RSS after it and ``lookup_submission`` of the first task (p50). With
@@ -395,6 +396,10 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
     snapshots = metrics["journal"]["snapshots"]  # taken during the run (close adds one)
     # The longest copy of the state a snapshot took under the lock (J5.1; absent before it).
     copy_ms = metrics.get("snapshot_copy_seconds_max", float("nan")) * 1e3
+    # The device's share of a complete_task's wait: what the journal's syncs took.
+    journal = metrics["journal"]
+    sync_mean_ms = journal["sync_us_total"] / max(1, journal["syncs"]) / 1e3
+    sync_max_ms = journal["sync_us_max"] / 1e3
     completes, cycles = times["complete"], times["cycle"]
     t0 = time.perf_counter()
     queue.close()
@@ -417,6 +422,8 @@ def history(root: str, completed: int, threads: int = 4, batched: bool = False) 
         "load_after": os.getloadavg()[0],
         "snapshots": snapshots,
         "snapshot_copy_max_ms": copy_ms,
+        "journal_sync_mean_ms": sync_mean_ms,
+        "journal_sync_max_ms": sync_max_ms,
     }
     reopened = subprocess.run(
         [sys.executable, __file__, "--reopen", path], check=True, capture_output=True, text=True
@@ -463,6 +470,8 @@ HISTORY_COLUMNS = (
     ("reopen_s", "reopen s", "{:.2f}"),
     ("complete_max_ms", "slowest complete ms", "{:.1f}"),
     ("complete_p99_ms", "complete p99 ms", "{:.2f}"),
+    ("journal_sync_mean_ms", "journal sync mean ms", "{:.2f}"),
+    ("journal_sync_max_ms", "journal sync max ms", "{:.1f}"),
     ("stalls_over_100ms", "over 100 ms", "{:.0f}"),
     ("cycle_p50_ms", "cycle p50 ms", "{:.3f}"),
     ("tasks_s", "tasks/s", "{:.0f}"),

@@ -874,3 +874,36 @@ def test_segment_bytes_follow_the_documented_layout(tmp_path: Path) -> None:
     # A clean close keeps LOG_CLOSE_ZEROS zero bytes after the last frame (J7).
     assert len(data) == 64 + sum(H + len(b) for b in items) + LOG_CLOSE_ZEROS
     assert not data[-LOG_CLOSE_ZEROS:].strip(b"\0")
+
+
+def test_metrics_count_the_time_the_journal_syncs_take(tmp_path: Path) -> None:
+    """``sync_us_total`` and ``sync_us_max`` add up what each batch's sync took (a simulated
+    clock: the sync seam moves it), so a caller's wait can be told apart from the device's."""
+    backend = FilesystemBackend(tmp_path)
+    journal = open_journal(tmp_path, backend=backend)
+    journal.start_segment()
+    now = [100.0]
+    journal.clock = lambda: now[0]
+    takes = iter([0.0003, 0.0007, 0.0002])
+    real_sync = backend.sync_file
+
+    def sync_file(fd: int) -> None:
+        real_sync(fd)
+        now[0] += next(takes)
+
+    backend.sync_file = sync_file  # type: ignore[method-assign]
+    for body in (b"a", b"b", b"c"):
+        journal.wait(journal.append(body))
+    metrics = journal.metrics
+    assert (metrics["syncs"], metrics["sync_us_total"], metrics["sync_us_max"]) == (3, 1200, 700)
+
+    def failing(fd: int) -> None:
+        now[0] += 5.0
+        raise OSError(5, "Input/output error")
+
+    backend.sync_file = failing  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        journal.wait(journal.append(b"d"))
+    # A failed sync made nothing durable: it is not counted among the syncs' times.
+    assert (metrics["sync_us_total"], metrics["sync_us_max"]) == (1200, 700)
+    journal.close()
