@@ -1102,3 +1102,41 @@ def test_walking_every_history_file_keeps_a_bounded_number_of_descriptors_open(
         _assert_exact(coord, done)  # files given up are read again, answers unchanged
         assert 0 < _history_descriptors() <= limit
     assert _history_descriptors() == 0  # close gives up every descriptor left
+
+
+def test_sources_giving_up_descriptors_to_each_other_read_exact_bytes_from_many_threads(
+    tmp_path: Path,
+) -> None:
+    """Readers of more files than may stay open at once close each other's descriptors as they
+    go (never one in use: each read holds its source's lock): every read still returns the
+    file's bytes, and no more than the limit stay open."""
+    files = history_io.OpenFiles(limit=2)
+    contents = [bytes([n]) * 4096 + os.urandom(4096) for n in range(7)]
+    sources = []
+    for n, data in enumerate(contents):
+        path = tmp_path / f"{n}.hist"
+        path.write_bytes(data)
+        sources.append(history_io.FileSource(str(path), files))
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def reader(seed: int) -> None:
+        start.wait()
+        for step in range(300):  # bounded: 4 threads x 300 reads
+            n = (seed * 7 + step * (seed + 1)) % len(sources)
+            offset = (step * 512) % 4096
+            got = bytes(sources[n].pread(512, offset + 4096 * (step % 2)))
+            if got != contents[n][offset + 4096 * (step % 2) :][:512]:
+                errors.append(f"file {n} at {offset}: wrong bytes")
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    assert len(files) <= 2
+    assert sum(source._fd is not None for source in sources) <= 2
+    for source in sources:
+        source.close()
+    assert len(files) == 0 and all(source._fd is None for source in sources)
