@@ -579,6 +579,9 @@ class _Bytes:
     def pread(self, size: int, offset: int) -> bytes:
         return self._data[offset : offset + size]
 
+    def keep_open(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -1065,15 +1068,17 @@ def test_a_collection_reads_history_before_the_lock_and_a_rewind_meanwhile_keeps
         assert set(coord._owned) == with_ahead
 
 
-def _history_descriptors() -> int:
-    """Descriptors of this process open on queue history files and index runs."""
+def _history_descriptors(suffix: str = history.SUFFIX, under: str = "") -> int:
+    """Descriptors of this process open on queue history files (``suffix``: or index runs)
+    under the directory ``under`` (a deleted file's link ends with " (deleted)")."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
         except OSError:
             continue  # closed meanwhile (the listing's own descriptor)
-        count += f"{os.sep}{history.HIST_DIR}{os.sep}" in target
+        in_history = f"{os.sep}{history.HIST_DIR}{os.sep}" in target and target.startswith(under)
+        count += in_history and target.endswith(suffix)
     return count
 
 
@@ -1140,3 +1145,34 @@ def test_sources_giving_up_descriptors_to_each_other_read_exact_bytes_from_many_
     for source in sources:
         source.close()
     assert len(files) == 0 and all(source._fd is None for source in sources)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_run_keeps_its_descriptor_while_other_files_give_theirs_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """H3: the live state reads the runs a snapshot thread absorbed until it takes the new ones
+    over, and H4 may prune their files meanwhile; such a run answers through the descriptor it
+    opened for its trailer. Files giving their descriptors up (HISTORY_OPEN_FILES_MAX) must not
+    take a run's: here the run files are deleted, every history file is walked with room for
+    one descriptor, and every lookup through the runs still answers."""
+    monkeypatch.setattr(history, "HISTORY_RUN_ENTRIES_MAX", 24)
+    root = str(tmp_path)
+    with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(4 * TASKS)])
+        done = _work(coord, 4 * TASKS, "w1")
+    monkeypatch.setattr(history_io.OPEN, "limit", 1)
+    with (
+        SharedFilesystemStore(root, RUN) as store,
+        Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
+    ):
+        hist = coord._state.history
+        assert hist.runs and len(hist.files) > 2
+        for run in hist.runs:
+            os.unlink(run.path)  # as H4 prunes an absorbed run the live state still reads
+        receipts = [r for r, _, _ in done]
+        assert list(coord.read_commits(0, len(receipts)).commits) == receipts  # every file read
+        assert _history_descriptors(under=root) <= 1
+        assert _history_descriptors(history.RUN_SUFFIX, root) == len(hist.runs)  # each keeps its own
+        for receipt in receipts:
+            assert coord.lookup_submission(receipt.submission_id) == receipt

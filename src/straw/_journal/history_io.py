@@ -2,8 +2,9 @@
 
 The pure format reads through :class:`FileSource`; the descriptor opens at the first read
 and is shared by every lookup (one lock, since lookups come from calls and from a snapshot
-thread alike). At most HISTORY_OPEN_FILES_MAX sources of the process hold a descriptor at
-once (:class:`OpenFiles`): the least recently read gives its up and reopens when read again.
+thread alike). At most HISTORY_OPEN_FILES_MAX history files of the process hold a descriptor
+at once (:class:`OpenFiles`): the least recently read gives its up and reopens when read
+again. Index runs keep theirs (``keep_open``, DURABILITY.md J5 H3).
 Writing a file is D0 (``straw._fs.durable``), done by the coordinator.
 """
 
@@ -54,13 +55,19 @@ OPEN = OpenFiles(HISTORY_OPEN_FILES_MAX)
 class FileSource:
     """One history file on disk. A missing file raises ``FileNotFoundError``; any other OS
     error is translated here (``QuotaExceeded``, ``StorageUnavailable``), naming the file.
-    ``close`` gives the descriptor up; a later read opens the file again."""
+    ``close`` gives the descriptor up; a later read opens the file again. Unless
+    :meth:`keep_open` was called, ``files`` may take the descriptor back between reads."""
 
     def __init__(self, path: str, files: OpenFiles = OPEN) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self._files = files
+        self._files: OpenFiles | None = files
+
+    def keep_open(self) -> None:
+        files, self._files = self._files, None
+        if files is not None:
+            files.forget(self)
 
     def size(self) -> int:
         try:
@@ -80,8 +87,9 @@ class FileSource:
             raise
         except OSError as error:  # a full disk stays QuotaExceeded, anything else StorageUnavailable
             raise posix.storage_error(error, f"reading queue history file {self.path}") from error
-        for other in self._files.read(self):
-            other._release()  # (never this source: it was just moved to the newest end)
+        if self._files is not None:
+            for other in self._files.read(self):
+                other._release()  # (never this source: it was just moved to the newest end)
         return data
 
     def _release(self) -> None:
@@ -91,7 +99,8 @@ class FileSource:
                 self._fd = None
 
     def close(self) -> None:
-        self._files.forget(self)
+        if self._files is not None:
+            self._files.forget(self)
         self._release()
 
 

@@ -67,6 +67,10 @@ class Source(Protocol):
 
     def pread(self, size: int, offset: int) -> bytes | bytearray: ...
 
+    def keep_open(self) -> None:
+        """Keep the file open from the first read until :meth:`close`, whatever else is read
+        (an index run: its file may be deleted while it is still read, J5 H3)."""
+
     def close(self) -> None: ...
 
 
@@ -952,6 +956,10 @@ class IndexRun:
         self.first, self.count = first, count
         self._source = source
         self._loaded: tuple[list[array.array[int]], list[array.array[int]], list[bytes]] | None = None
+        # J5 H3: a run the snapshot thread absorbed is read until the live state takes the new
+        # one over, and H4 may delete its file meanwhile: the descriptor its trailer read opens
+        # stays open until close().
+        source.keep_open()
         self._read_trailer()
 
     @property
