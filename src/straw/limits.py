@@ -248,8 +248,9 @@ HISTORY_RUN_FILTER_PROBES = 4
 #: probes one filter per run: one full run per million tasks or so, plus a few small ones).
 HISTORY_RUN_ENTRIES_MAX = 1 << 21
 
-#: Descriptors of history files and index runs a process keeps open at once, the most recently
-#: read ones; the others are closed and reopened at their next read. A walk over every file
+#: Descriptors of history files a process keeps open at once, the most recently read ones; the
+#: others are closed and reopened at their next read (index runs keep theirs: a few per million
+#: tasks, and an absorbed run's file may be deleted while it is read, J5 H3). A walk over every file
 #: (paging ``read_commits`` through history, a retire, a collection) would otherwise keep one
 #: per file: over a thousand at ten million tasks, past the common per-process limit of 1024.
 HISTORY_OPEN_FILES_MAX = 64
