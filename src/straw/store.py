@@ -39,7 +39,7 @@ from ._pack.reader import (
     segment_key,
     segment_of_key,
 )
-from ._pack.writer import CommitUncertain, Entry, PackWriter, owned_row
+from ._pack.writer import CommitUncertain, Entry, PackWriter
 from .backend import FilesystemBackend
 from .errors import (
     CorruptData,
@@ -1107,19 +1107,15 @@ class SharedFilesystemStore:
         metadata = record.metadata
         if not isinstance(metadata, dict):
             raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
-        # The text is made from the copy the written index will share, so the two agree.
-        found = owned_row(metadata)  # (None also when a key is not a str: checked below)
-        if found is None:
-            if not all(isinstance(k, str) for k in metadata):
-                raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
-            owned, pairs, meta_text = None, None, encode_text(metadata)
-        else:
-            (owned, pairs), meta_text = found, encode_text(found[0])
+        if not all(isinstance(key, str) for key in metadata):
+            raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
+        meta_text = encode_text(metadata)
         encoded = len(meta_text) if meta_text.isascii() else len(meta_text.encode("utf-8"))
         if encoded > METADATA_BYTES_MAX:
             raise ResourceLimitExceeded(
                 f"record {record_id!r}: metadata is {encoded} bytes, the limit is {METADATA_BYTES_MAX}"
             )
+        pairs = frame.text_pairs(meta_text)  # parsed from the text: the index and the text agree
         tokens = record.tokens
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= TOKENS_MAX:
             raise ValueError(
@@ -1133,9 +1129,7 @@ class SharedFilesystemStore:
             )
         content = xxhash.xxh3_128_hexdigest(view)
         chunks = frame.chunk_checksums(view)
-        return Entry(
-            record_id, record.codec, metadata, tokens, view, content, chunks, None, meta_text, owned, pairs
-        )
+        return Entry(record_id, record.codec, metadata, tokens, view, content, chunks, None, meta_text, pairs)
 
     def _manifest_entry(self, manifest: frame.Manifest, record_id: str) -> Entry:
         empty = memoryview(b"")

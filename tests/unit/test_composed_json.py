@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from straw._pack import frame
-from straw._pack.writer import Entry, owned_metadata, owned_row
-from straw.limits import CHUNK_BYTES
+from straw._pack.writer import Entry
+from straw.limits import CHUNK_BYTES, METADATA_ROW_TEXT_CACHED_MAX
 from straw.protocol import decode, encode, encode_text
 from straw.store import logical_digest
 
@@ -83,9 +83,9 @@ def test_the_composed_logical_digest_is_the_digest_of_the_document(
     rows = []
     for record_id, codec, metadata, tokens, content, pre_encoded in records:
         payload = memoryview(content.encode())
-        owned = owned_metadata(metadata)
-        text = encode_text(owned) if pre_encoded else ""
-        entries.append(Entry(record_id, codec, metadata, tokens, payload, content, "", None, text, owned))
+        text = encode_text(metadata) if pre_encoded else ""
+        pairs = frame.text_pairs(text) if pre_encoded else None
+        entries.append(Entry(record_id, codec, metadata, tokens, payload, content, "", None, text, pairs))
         indexed.append(frame.IndexEntry(record_id, codec, metadata, tokens, 0, payload.nbytes, content, ""))
         rows.append([record_id, codec, metadata, tokens, payload.nbytes, content])
     expected = _legacy_digest(rows, deps)
@@ -118,19 +118,28 @@ def _as_parsed(entry: frame.IndexEntry) -> frame.Row:
 
 @settings(max_examples=300, deadline=None)
 @given(metadata=st.dictionaries(_texts, _json, max_size=5))
-def test_the_owned_copy_and_its_row_part_come_from_one_pass(metadata: dict[str, Any]) -> None:
-    found = owned_row(metadata)
-    assert found is not None
-    owned, pairs = found
-    assert owned == metadata and owned == owned_metadata(metadata)
-    assert pairs == frame.metadata_pairs(owned)  # what the index row holds
-    assert frame.pairs_text(pairs) == encode_text(metadata)  # the text composed from it
-    for key, value in metadata.items():
-        if isinstance(value, (dict, list)):
-            assert owned[key] is not value  # nothing the caller holds is shared
+def test_a_written_rows_metadata_part_is_the_one_reading_it_back_gives(metadata: dict[str, Any]) -> None:
+    text = encode_text(metadata)
+    pairs = frame.text_pairs(text)
+    assert pairs == frame.metadata_pairs(decode(encode(metadata)))  # what the index row holds
+    assert frame.pairs_text(pairs) == text  # the text composed from it
+    assert frame.text_pairs(text) is pairs  # a short text's part is made once
+    assert all(type(item) in frame.SCALAR_TYPES or type(item) is bytes for item in pairs)
 
 
-def test_metadata_that_is_not_plain_json_has_no_owned_row() -> None:
-    assert owned_row({"a": (1, 2)}) is None  # a tuple reads back as a list
-    assert owned_row({"a": {1: "x"}}) is None  # a non-str key reads back as a str
-    assert owned_row({"a": [1, {"b": object()}]}) is None
+def test_metadata_whose_stored_form_differs_gets_the_stored_forms_row_part() -> None:
+    cases = [
+        ({"a": (1, 2)}, ("a", b"[1,2]")),  # a tuple reads back as a list
+        ({"a": {1: "x"}}, ("a", b'{"1":"x"}')),  # a non-str key reads back as a str
+        ({"b": 1, "a": [1.5]}, ("a", b"[1.5]", "b", 1)),  # keys in their stored (sorted) order
+    ]
+    for metadata, pairs in cases:
+        assert frame.text_pairs(encode_text(metadata)) == pairs
+
+
+def test_a_long_metadata_text_is_parsed_each_time_not_remembered() -> None:
+    metadata = {"a": "x" * (METADATA_ROW_TEXT_CACHED_MAX + 1)}
+    text = encode_text(metadata)
+    first, second = frame.text_pairs(text), frame.text_pairs(text)
+    assert first == second == ("a", metadata["a"])
+    assert first is not second

@@ -1086,7 +1086,7 @@ def _history_descriptors(suffix: str = history.SUFFIX, under: str = "") -> int:
 def test_walking_every_history_file_keeps_a_bounded_number_of_descriptors_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = str(tmp_path)
+    root = str(tmp_path)  # (descriptors are counted under it: other tests' queues may be open)
     done = _build(root)
     limit = 3
     monkeypatch.setattr(history_io.OPEN, "limit", limit)
@@ -1099,14 +1099,14 @@ def test_walking_every_history_file_keeps_a_bounded_number_of_descriptors_open(
         receipts = [r for r, _, _ in done]
         for cursor in range(len(receipts)):  # paging through history reads every file in turn
             assert list(coord.read_commits(cursor, 1).commits) == receipts[cursor : cursor + 1]
-            assert _history_descriptors() <= limit
+            assert _history_descriptors(under=root) <= limit
         assert [r["position"] for r in coord.retire_worker("w1")] == list(range(TASKS - 2))
-        assert _history_descriptors() <= limit
+        assert _history_descriptors(under=root) <= limit
         coord.collect_garbage()
-        assert _history_descriptors() <= limit
+        assert _history_descriptors(under=root) <= limit
         _assert_exact(coord, done)  # files given up are read again, answers unchanged
-        assert 0 < _history_descriptors() <= limit
-    assert _history_descriptors() == 0  # close gives up every descriptor left
+        assert 0 < _history_descriptors(under=root) <= limit
+    assert _history_descriptors(under=root) == 0  # close gives up every descriptor left
 
 
 def test_sources_giving_up_descriptors_to_each_other_read_exact_bytes_from_many_threads(

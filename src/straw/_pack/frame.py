@@ -6,6 +6,8 @@ Every decoder accepts arbitrary bytes and raises only ``CorruptData`` or
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import struct
 from collections.abc import Mapping, Sequence
@@ -20,6 +22,8 @@ from ..limits import (
     CODEC_NAME_BYTES_MAX,
     INDEX_BYTES_MAX,
     METADATA_BYTES_MAX,
+    METADATA_ROW_TEXT_CACHED_MAX,
+    METADATA_ROWS_CACHED,
     PACK_BYTES_MAX,
     RECORD_ID_BYTES_MAX,
     RECORDS_PER_WRITE_MAX,
@@ -223,6 +227,27 @@ def metadata_pairs(metadata: dict[str, Any]) -> tuple[Any, ...]:
         out.append(key)
         out.append(value if type(value) in SCALAR_TYPES else encode(value))
     return tuple(out)
+
+
+def text_pairs(text: str) -> tuple[Any, ...]:
+    """The row part of the metadata whose canonical text (``encode_text``) is ``text``: what
+    reading an index frame that holds it gives (:func:`metadata_pairs` of the decoded dict).
+    Made from the text, not from the caller's values, a written index shared with readers is
+    the one they would read, whatever the caller's types were (a tuple is a list there) and
+    whatever the caller changes later. The records of one write often carry equal metadata
+    (the tensors of a sample): the part of a short text is made once and reused (it holds
+    only immutable values: scalars, and the bytes of lists and objects)."""
+    if len(text) <= METADATA_ROW_TEXT_CACHED_MAX:
+        return _remembered_pairs(text)
+    return _parsed_pairs(text)
+
+
+def _parsed_pairs(text: str) -> tuple[Any, ...]:
+    # The text is canonical JSON this process just encoded: plain parsing is exact for it.
+    return metadata_pairs(json.loads(text))
+
+
+_remembered_pairs = functools.lru_cache(maxsize=METADATA_ROWS_CACHED)(_parsed_pairs)
 
 
 def pairs_text(pairs: Sequence[Any]) -> str:

@@ -176,8 +176,8 @@ SHARED_INDEXES = SharedIndexes(lambda: SHARED_INDEX_ENTRIES_MAX)
 def remember_written(segment: SegmentRef, submission_id: str, rows: Sequence[frame.Row]) -> None:
     """Share the index of an extent this process just made durable (the writer calls it).
 
-    The writer calls it only with rows made from a plain JSON copy of each record's metadata
-    (``writer.owned_row``): they equal what reading the index frame back would give.
+    The writer calls it only with rows whose metadata part was parsed from the metadata's
+    canonical text (``frame.text_pairs``): they equal what reading the index frame back gives.
     """
     SHARED_INDEXES.put_rows(segment, submission_id, CHUNK_BYTES, rows)
 

@@ -12,7 +12,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -22,7 +22,7 @@ from .._fs import durable, lock, posix
 from ..backend import FilesystemBackend
 from ..errors import WriterFenced, invariant
 from ..limits import CHUNK_BYTES, PACK_PREALLOC_BYTES
-from ..protocol import CHECKSUM_ALGORITHM, SegmentRef, encode
+from ..protocol import CHECKSUM_ALGORITHM, SegmentRef
 from . import frame, reader
 
 PACK_SUFFIX = ".pack"
@@ -46,13 +46,11 @@ class Entry(NamedTuple):
     #: A manifest body kept inside the index frame (no record frame is written).
     inline: dict[str, object] | None = None
     #: The metadata's canonical JSON text (what the index frame and the logical digest hold)
-    #: and, when it is plain JSON, the copy that text was made from (:func:`owned_row`),
-    #: which the written index shares with readers. Every record the store checks has it
-    #: (``SharedFilesystemStore._entry``); an inline manifest has none.
+    #: and the index row part parsed from that text (``frame.metadata_row``): what reading the
+    #: index frame back gives, so the written index is shared with readers as it is. Every
+    #: record the store checks has both (``SharedFilesystemStore._entry``); an inline
+    #: manifest has neither.
     meta_text: str = ""
-    owned: dict[str, Any] | None = None
-    #: The owned copy's index row part (``frame.metadata_pairs``, made with the copy by
-    #: :func:`owned_row`): the layout puts it in the row as it is.
     pairs: tuple[Any, ...] | None = None
 
 
@@ -89,56 +87,6 @@ class BufferChanged(ValueError):
     """A caller changed a payload buffer while it was being published (D1.2b)."""
 
 
-class _NotPlain(Exception):
-    """Metadata holding something its stored JSON form would change (a tuple, an enum, ...)."""
-
-
-def owned_metadata(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A copy of a record's metadata sharing no container with the caller's, or ``None``.
-
-    ``None`` when the metadata holds anything but exact JSON types (str-keyed dicts, lists,
-    str, int, float, bool, None): its stored form would differ (a tuple is read back as a
-    list, a dataclass as a dict), so its index must not be shared as written.
-    """
-    found = owned_row(metadata)
-    return None if found is None else found[0]
-
-
-def owned_row(metadata: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]] | None:
-    """:func:`owned_metadata` and, in the same pass, its index row part
-    (``frame.metadata_pairs`` of the copy), or ``None``."""
-    owned: dict[str, Any] = {}
-    pairs: list[Any] = []
-    try:
-        for key, value in metadata.items():
-            if type(value) in frame.SCALAR_TYPES:  # (the row's rule: frame.metadata_pairs)
-                owned[_plain_key(key)] = value
-                pairs += (key, value)
-            else:
-                copy = owned[_plain_key(key)] = _plain_value(value)
-                pairs += (key, encode(copy))
-    except _NotPlain:
-        return None
-    return owned, tuple(pairs)
-
-
-def _plain_key(key: object) -> str:
-    if type(key) is not str:
-        raise _NotPlain
-    return key
-
-
-def _plain_value(value: Any) -> Any:
-    kind = type(value)
-    if kind is str or kind is int or kind is float or kind is bool or value is None:
-        return value
-    if kind is dict:
-        return {_plain_key(key): _plain_value(item) for key, item in value.items()}
-    if kind is list:
-        return [_plain_value(item) for item in value]
-    raise _NotPlain
-
-
 def _unchanged(entries: Sequence[Entry]) -> None:
     """D1.2b: every payload still hashes to what its index frame records, now that its bytes
     were written from the caller's memory; a buffer changed meanwhile would leave an extent
@@ -168,7 +116,7 @@ class _Layout(NamedTuple):
     checksum: str
     submission_id: str
     entries: list[frame.Row]
-    shareable: bool  # every entry's metadata is a plain copy (_owned): readers may share them
+    shareable: bool  # every entry's metadata part was parsed from its text: readers may share them
 
 
 class PackWriter:
@@ -283,7 +231,7 @@ class PackWriter:
             position += frame.FRAME_HEADER_BYTES
             invariant(bool(e.meta_text), "a record's metadata text is made when the store checks it")
             pairs = e.pairs
-            if pairs is None or e.owned is None:  # (the caller's values stay theirs to change: a copy)
+            if pairs is None:  # (not made from the text: the caller's values, not shared)
                 shareable, pairs = False, frame.metadata_pairs(dict(e.metadata))
             texts.append(e.meta_text)
             size = e.payload.nbytes
