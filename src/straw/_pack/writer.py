@@ -46,7 +46,7 @@ class Entry(NamedTuple):
     #: A manifest body kept inside the index frame (no record frame is written).
     inline: dict[str, object] | None = None
     #: The metadata's canonical JSON text (what the index frame and the logical digest hold)
-    #: and the index row part parsed from that text (``frame.metadata_row``): what reading the
+    #: and the index row part parsed from that text (``frame.text_pairs``): what reading the
     #: index frame back gives, so the written index is shared with readers as it is. Every
     #: record the store checks has both (``SharedFilesystemStore._entry``); an inline
     #: manifest has neither.
