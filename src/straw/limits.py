@@ -44,7 +44,7 @@ METADATA_BYTES_MAX = 64 * MiB
 #: Index row parts of record metadata texts remembered per process (``frame.text_pairs``):
 #: the records of a write often repeat one metadata (the tensors of a sample, the records of a
 #: task's result), so each distinct text is parsed once. Only texts of at most
-#: METADATA_ROW_TEXT_CACHED_MAX characters are kept, so the memo holds a few MiB at most.
+#: METADATA_ROW_TEXT_CACHED_MAX characters are kept: at most 4 Mi characters of text in all.
 METADATA_ROWS_CACHED = 1024
 METADATA_ROW_TEXT_CACHED_MAX = 4 * KiB
 
