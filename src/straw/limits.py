@@ -326,6 +326,7 @@ FAILURE_BYTES_MAX = 64 * KiB
 invariant(HISTORY_RUN_PAGE_ENTRIES <= HISTORY_RUN_ENTRIES_MAX, "a run holds at least one page")
 invariant(1 <= HISTORY_RUN_FILTER_PROBES <= HISTORY_RUN_FILTER_BITS, "a filter probes a few bits per key")
 invariant(HISTORY_OPEN_FILES_MAX >= 1, "the history file just read keeps its descriptor")
+invariant(4 * MiB >= METADATA_ROWS_CACHED * METADATA_ROW_TEXT_CACHED_MAX, "the metadata memo stays small")
 invariant(1 * MiB <= JOURNAL_SNAPSHOT_BYTES_MIN, "snapshots are not taken after every few calls")
 invariant(
     LOG_END_ZEROS_MIN <= LOG_CLOSE_ZEROS < CATALOG_PREALLOC_BYTES // 2, "a closed log keeps its end zeros"
