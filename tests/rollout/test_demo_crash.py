@@ -100,7 +100,9 @@ def check_job(root: Path, runs: list[list[dict[str, Any]]], steps: int) -> None:
     trained: dict[int, dict[str, Any]] = {}
     for events in runs:  # a step trained again after a restart replaces the killed run's
         for event in events:
-            if event["event"] == "step":
+            # ("trained" comes before the step's checkpoint: a kill after the checkpoint's
+            # commit but before the step's own event still tells what the step trained.)
+            if event["event"] == "trained":
                 trained[event["step"]] = event
     assert sorted(trained) == list(range(steps))
     final = runs[-1][-1]

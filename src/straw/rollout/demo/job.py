@@ -527,6 +527,15 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
     metrics = job.ranks.train(refs)
     job.builder.training_completed(step)
     lap("train")
+    trained = {
+        "group_indices": [int(g[0].group_index) for g in groups],
+        "reward_calls": [
+            [str((s.metadata or {}).get("reward_call")), str(queue_task_id(s)), s.index] for s in samples
+        ],
+    }
+    # Before the checkpoint: a kill after its commit but before the step's own event still
+    # leaves a record of what this step trained (the restart continues after the step).
+    emit({"event": "trained", "step": step, **trained})
     saved = step % settings.save_interval == 0 or step == settings.steps - 1
     if saved:
         save_checkpoint(
@@ -567,10 +576,7 @@ def _step(job: _Job, step: int, emit: Emit) -> None:
             "weight_version": job.version,
             "loss": metrics["loss"],
             "rows_per_rank": metrics["rows_per_rank"],
-            "group_indices": [int(g[0].group_index) for g in groups],
-            "reward_calls": [
-                [str((s.metadata or {}).get("reward_call")), str(queue_task_id(s)), s.index] for s in samples
-            ],
+            **trained,
         }
     )
 
