@@ -1105,9 +1105,7 @@ class SharedFilesystemStore:
                 f"(registered: {', '.join(self.codecs)}; pickle is never accepted)"
             )
         metadata = record.metadata
-        if not isinstance(metadata, dict):
-            raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
-        if not all(isinstance(key, str) for key in metadata):
+        if not isinstance(metadata, dict) or not all(isinstance(key, str) for key in metadata):
             raise TypeError(f"record {record_id!r}: metadata must be a dict with string keys")
         meta_text = encode_text(metadata)
         encoded = len(meta_text) if meta_text.isascii() else len(meta_text.encode("utf-8"))

@@ -48,8 +48,8 @@ class Entry(NamedTuple):
     #: The metadata's canonical JSON text (what the index frame and the logical digest hold)
     #: and the index row part parsed from that text (``frame.text_pairs``): what reading the
     #: index frame back gives, so the written index is shared with readers as it is. Every
-    #: record the store checks has both (``SharedFilesystemStore._entry``); an inline
-    #: manifest has neither.
+    #: record the store checks has both (``SharedFilesystemStore._entry``; the layout parses
+    #: the text itself for an entry made without its part); an inline manifest has neither.
     meta_text: str = ""
     pairs: tuple[Any, ...] | None = None
 
@@ -116,7 +116,6 @@ class _Layout(NamedTuple):
     checksum: str
     submission_id: str
     entries: list[frame.Row]
-    shareable: bool  # every entry's metadata part was parsed from its text: readers may share them
 
 
 class PackWriter:
@@ -220,7 +219,6 @@ class PackWriter:
         rows: list[frame.Row] = []
         texts: list[str] = []  # the metadata text of each row ("" for inline ones)
         position = start
-        shareable = True
         for e in entries:
             if e.inline is not None:
                 rows.append(frame.inline_row(e.record_id, e.inline))
@@ -230,16 +228,15 @@ class PackWriter:
             buffers.append(e.payload)
             position += frame.FRAME_HEADER_BYTES
             invariant(bool(e.meta_text), "a record's metadata text is made when the store checks it")
-            pairs = e.pairs
-            if pairs is None:  # (not made from the text: the caller's values, not shared)
-                shareable, pairs = False, frame.metadata_pairs(dict(e.metadata))
+            # (from the text, as the store's check made it: what reading the frame back gives)
+            pairs = e.pairs if e.pairs is not None else frame.text_pairs(e.meta_text)
             texts.append(e.meta_text)
             size = e.payload.nbytes
             rows.append((e.record_id, e.codec, e.tokens, position, size, e.content, e.chunks, None, *pairs))
             position += e.payload.nbytes
         head, body, sum_hex = frame.encode_index_frame(submission_id, rows, texts)
         buffers += [head, body]
-        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, rows, shareable)
+        return _Layout(buffers, position, len(head) + len(body), sum_hex, submission_id, rows)
 
     def _chunk_phases(self, rows: Sequence[frame.Row]) -> None:
         """The peer's ``after_payload_chunk`` phase, once per payload chunk written (all of an
@@ -300,8 +297,7 @@ class PackWriter:
         pack.manifests[index_offset] = tuple(manifests)
         self.bytes_written += written
         invariant(pack.size == index_offset + index_size, "extent ends with its index frame")
-        if layout.shareable:
-            reader.remember_written(segment, layout.submission_id, layout.entries)
+        reader.remember_written(segment, layout.submission_id, layout.entries)
         try:
             self.backend.fault("after_data_sync")
         except BaseException as error:
@@ -355,8 +351,7 @@ class PackWriter:
             raise
         # The pack is visible from here on: failures are uncertain, not failed (D2.5).
         self.packs_created += 1
-        if layout.shareable:
-            reader.remember_written(segment, layout.submission_id, layout.entries)
+        reader.remember_written(segment, layout.submission_id, layout.entries)
         self.bytes_written += written
         extents = {index_offset: tuple(manifests)}
         if standalone:
