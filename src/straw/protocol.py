@@ -12,9 +12,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
+
+import orjson
 
 from .errors import CorruptData, InvalidReference, ResourceLimitExceeded
 from .limits import JSON_ITEMS_PER_CALL_MAX
@@ -37,6 +40,7 @@ __all__ = [
     "decode",
     "digest",
     "encode",
+    "encode_plain",
 ]
 
 #: Checksum algorithm named by every reference this version writes (docs/FORMAT.md).
@@ -95,6 +99,40 @@ def encode_text(value: Any) -> str:
         raise ValueError("cannot encode canonically: the value contains itself (circular)") from None
     except ValueError as error:
         raise ValueError(f"cannot encode canonically: {error} (NaN and Infinity are rejected)") from None
+
+
+#: Where orjson's text can differ from :func:`encode`'s for the values :func:`encode_plain`
+#: takes: a float of exponent -5 to -9 (``0.00001`` or ``2.5e-7`` where Python writes
+#: ``1e-05`` and ``2.5e-07``; every other finite float is written alike by both, shortest
+#: round-trip digits). A match anywhere (a string or another number may hold one too) sends
+#: the value to the canonical encoder instead. Two patterns: one alternation scans ~10x slower.
+_ORJSON_FIXED_TINY = re.compile(rb"\.0000")
+_ORJSON_SHORT_EXPONENT = re.compile(rb"e-\d(?!\d)")
+_ORJSON_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+
+
+def _orjson_refused(value: Any) -> Any:
+    raise TypeError  # any value orjson does not write itself: the canonical encoder decides
+
+
+def encode_plain(value: Any) -> bytes:
+    """:func:`encode` of a value built only of dicts with str keys, lists, str, int, bool,
+    None and **finite** floats (a sample document: the schema writes a non-finite float as a
+    tagged node), byte for byte, about eight times faster.
+
+    orjson writes it; a value orjson refuses (an int beyond 64 bits, a non-str key, a lone
+    surrogate, nesting past its depth, another type) and an output where the two encoders
+    can differ (the two patterns above) go through :func:`encode`, which raises what it raises.
+    The one case not caught here is a NaN or an infinity, which orjson writes as ``null``:
+    the caller guarantees there is none.
+    """
+    try:
+        data = orjson.dumps(value, default=_orjson_refused, option=_ORJSON_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return encode(value)
+    if _ORJSON_FIXED_TINY.search(data) is not None or _ORJSON_SHORT_EXPONENT.search(data) is not None:
+        return encode(value)
+    return data
 
 
 #: A str as canonical JSON text: the string encoder :func:`encode` itself uses, so a document

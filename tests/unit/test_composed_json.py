@@ -11,13 +11,14 @@ import hashlib
 import string
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from straw._pack import frame
 from straw._pack.writer import Entry
 from straw.limits import CHUNK_BYTES, METADATA_ROW_TEXT_CACHED_MAX
-from straw.protocol import decode, encode, encode_text
+from straw.protocol import decode, encode, encode_plain, encode_text
 from straw.store import logical_digest
 
 _texts = st.text(
@@ -143,3 +144,49 @@ def test_a_long_metadata_text_is_parsed_each_time_not_remembered() -> None:
     first, second = frame.text_pairs(text), frame.text_pairs(text)
     assert first == second == ("a", metadata["a"])
     assert first is not second
+
+
+# --------------------------------------------------------------------------- encode_plain
+
+# Floats of every magnitude, the exponents -5 to -9 (where orjson and the json module write
+# differently) and big ints (orjson refuses them) weighted in.
+_plain_numbers = (
+    st.floats(allow_nan=False, allow_infinity=False)
+    | st.builds(lambda m, e: m * 10.0**e, st.floats(-10, 10, allow_nan=False), st.integers(-12, 20))
+    | st.integers()
+    | st.integers(min_value=2**63 - 4, max_value=2**64 + 4)
+)
+_plain = st.recursive(
+    st.none() | st.booleans() | _plain_numbers | _texts | st.sampled_from(["1.00001", "e-5", "0.00001"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_texts, inner, max_size=4),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_plain)
+def test_encode_plain_writes_the_canonical_bytes(value: Any) -> None:
+    assert encode_plain(value) == encode(value)
+
+
+def test_encode_plain_writes_a_sample_document_as_the_canonical_encoder_does() -> None:
+    from straw.codec.schema import encode_sample
+    from straw.rollout.sample import Sample
+
+    sample = Sample(index=3, prompt="p\u00e9\n", tokens=list(range(40)), reward=2.5e-7)
+    sample.rollout_log_probs = [-(10.0**-k) for k in range(12)]
+    sample.metadata = {"big": 2**70, "tiny": 1e-5, "t": (1, "x"), "n": None}
+    document = encode_sample(sample).document
+    assert encode_plain(document) == encode(document)
+
+
+def test_encode_plain_refuses_what_encode_refuses() -> None:
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    for value in ({"k": object()}, cyclic, {"k": {1, 2}}):
+        with pytest.raises((TypeError, ValueError)) as plain:
+            encode_plain(value)
+        with pytest.raises((TypeError, ValueError)) as canonical:
+            encode(value)
+        assert type(plain.value) is type(canonical.value)
+        assert str(plain.value) == str(canonical.value)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptData, InvalidReference, UnsupportedSchema
-from ..protocol import Publication, Record, RecordSetRef, decode, encode
+from ..protocol import Publication, Record, RecordSetRef, decode, encode_plain
 from ..store import ReadSession, SharedFilesystemStore
 from ..tensor import TENSOR_CODEC, TensorRef, attach, is_torch_tensor, naming, reader_for, tensor_record
 from .schema import Decoder, Selection, allowed_classes, check_selection, decode_sample, encode_sample
@@ -232,7 +232,7 @@ def _publication(
         classes=classes,
     )
     meta = dict(metadata or {})
-    records = [Record("sample", encode(encoded.document), SAMPLE_CODEC, meta, tokens)]
+    records = [Record("sample", encode_plain(encoded.document), SAMPLE_CODEC, meta, tokens)]
     codecs = {SAMPLE_CODEC}
     for part in encoded.parts:
         if part.kind == "tensor":
