@@ -217,6 +217,11 @@ invariant(PART_ID_BYTES_MAX <= RECORD_ID_BYTES_MAX, "codec part ids are valid re
 #: state more often for little memory (docs/QUEUE.md "Snapshots and memory").
 JOURNAL_SNAPSHOT_BYTES_MIN = 8 * MiB
 
+#: Largest JSON text ``protocol.decode`` hands to orjson (about twice as fast as the json
+#: module, more with its per-number float check); its guard copies the text once, so a
+#: larger one (a big snapshot) takes the json module's path and no transient copy.
+JSON_FAST_DECODE_BYTES_MAX = 16 * MiB
+
 #: Items of a list or dict that one call of the C JSON encoder encodes when a snapshot body is
 #: encoded in the background (``protocol.encode_pieces``): the encoder holds the GIL for a
 #: whole call, and a snapshot's tables hold tens of thousands of rows, so encoded in one call

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 
 from .errors import CorruptData, InvalidReference, ResourceLimitExceeded
-from .limits import JSON_ITEMS_PER_CALL_MAX
+from .limits import JSON_FAST_DECODE_BYTES_MAX, JSON_ITEMS_PER_CALL_MAX
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -201,6 +201,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
+#: :func:`decode`'s guard for orjson: every digit as ``0``, every other byte as a space, so a
+#: run of ``_LONG_DIGIT_RUN`` (19 digits: every int outside 64 bits has at least that many)
+#: is found by one substring search. A run inside a string or a fraction is a false alarm:
+#: the slower path, never a wrong value.
+_DIGITS_ONLY = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+_LONG_DIGIT_RUN = b"0" * 19
+
+
 def decode(data: bytes | bytearray | memoryview, *, check_floats: bool = True) -> Any:
     """Reverse :func:`encode`; any invalid input raises :class:`CorruptData`.
 
@@ -208,8 +216,19 @@ def decode(data: bytes | bytearray | memoryview, *, check_floats: bool = True) -
     callback per number: one that overflows becomes an infinity, which the caller must
     refuse itself (``straw.codec.payload.decode_document`` does, for sample documents).
     """
+    raw = data if type(data) is bytes else bytes(data)
+    if len(raw) <= JSON_FAST_DECODE_BYTES_MAX and _LONG_DIGIT_RUN not in raw.translate(_DIGITS_ONLY):
+        # orjson parses what the json module parses into the same values (floats correctly
+        # rounded, never an infinity: it refuses one), except an int beyond 64 bits, which it
+        # makes a float: only a run of 19 or more digits can be one, and such input takes
+        # the json module's path below. Whatever orjson refuses does too, so that path
+        # decides every error and its message.
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
     try:
-        text = bytes(data).decode("utf-8")
+        text = raw.decode("utf-8")
         if not check_floats:
             return json.loads(text, parse_constant=_reject_constant)
         return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)

@@ -198,6 +198,80 @@ def test_decode_rejects_deep_nesting_with_corrupt_data() -> None:
         decode(b"[" * 100_000 + b"]" * 100_000)
 
 
+def _json_module_decode(data: bytes, check_floats: bool) -> Any:
+    """What decode gives by the json module alone (its path before orjson took the fast one)."""
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise CorruptData("overflow")
+        return value
+
+    def constant(name: str) -> Any:
+        raise CorruptData(name)
+
+    try:
+        text = data.decode("utf-8")
+        if check_floats:
+            return json.loads(text, parse_constant=constant, parse_float=finite)
+        return json.loads(text, parse_constant=constant)
+    except (ValueError, RecursionError):
+        raise CorruptData("invalid") from None
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**63 - 3, max_value=2**64 + 3)
+    | st.integers(max_value=-(2**63) + 3, min_value=-(2**63) - 3)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["1234567890123456789", r"\ud800", "0.000123456789012345678"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=16,
+)
+_json_noise = st.sampled_from(
+    [b" ", b"NaN", b"1e999", b"-", b"\\ud800", b'"', b"]", b"\xff", b"12345678901234567890", b"-0", b"1E5"]
+)
+
+
+def _same(data: bytes, check_floats: bool) -> None:
+    try:
+        expected = _json_module_decode(data, check_floats)
+    except CorruptData:
+        with pytest.raises(CorruptData):
+            decode(data, check_floats=check_floats)
+        return
+    got = decode(data, check_floats=check_floats)
+    assert json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)
+    assert repr(got) == repr(expected)  # the same types too: an int stays an int
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_json_values, check_floats=st.booleans())
+def test_decode_gives_what_the_json_module_gives(value: Any, check_floats: bool) -> None:
+    _same(encode(value), check_floats)
+    _same(json.dumps(value, indent=1).encode(), check_floats)  # not canonical, still JSON
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_json_values, cut=st.integers(min_value=0), noise=_json_noise)
+def test_decode_of_damaged_json_fails_or_succeeds_as_the_json_module_does(
+    value: Any, cut: int, noise: bytes
+) -> None:
+    data = encode(value)
+    at = cut % (len(data) + 1)
+    _same(data[:at] + noise + data[at:], True)
+    _same(data[:at] + noise + data[at:], False)
+
+
+def test_decode_keeps_ints_beyond_64_bits_exact() -> None:
+    for value in (2**64, 2**64 + 1, -(2**63) - 1, 10**30, [1, {"a": -(10**25)}]):
+        assert repr(decode(encode(value))) == repr(value)
+    assert decode(b'"12345678901234567890"') == "12345678901234567890"  # a false alarm: still right
+
+
 def test_digest_is_sha256_hex_of_encode() -> None:
     value = {"z": [3, 2, 1], "a": "ü", "ref": record_set_ref()}
     assert digest(value) == hashlib.sha256(encode(value)).hexdigest()
