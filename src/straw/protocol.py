@@ -118,7 +118,8 @@ def _orjson_refused(value: Any) -> Any:
 def encode_plain(value: Any) -> bytes:
     """:func:`encode` of a value built only of dicts with str keys, lists, str, int, bool,
     None and **finite** floats (a sample document: the schema writes a non-finite float as a
-    tagged node), byte for byte, about eight times faster.
+    tagged node), byte for byte, about four times faster (a rollout group's 13.5 KB document:
+    150 -> 35 us, checks included).
 
     orjson writes it; a value orjson refuses (an int beyond 64 bits, a non-str key, a lone
     surrogate, nesting past its depth, another type) and an output where the two encoders
