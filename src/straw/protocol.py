@@ -213,21 +213,21 @@ _LONG_DIGIT_RUN = b"0" * 19
 def decode(data: bytes | bytearray | memoryview, *, check_floats: bool = True) -> Any:
     """Reverse :func:`encode`; any invalid input raises :class:`CorruptData`.
 
-    ``check_floats=False`` parses numbers with the C float parser instead of a Python
-    callback per number: one that overflows becomes an infinity, which the caller must
-    refuse itself (``straw.codec.payload.decode_document`` does, for sample documents).
+    orjson parses what it parses into the json module's values (floats correctly rounded, and
+    never an infinity: it refuses one), except an int beyond 64 bits, which it makes a float.
+    Every such int is a run of 19 or more digits, so input with such a run (or over
+    ``JSON_FAST_DECODE_BYTES_MAX``), and input orjson refuses, is parsed by the json module,
+    which decides every error and its message. There ``check_floats=False`` parses numbers
+    with the C float parser instead of a Python callback per number: one that overflows
+    becomes an infinity, which the caller must refuse itself
+    (``straw.codec.payload.decode_document`` does, for sample documents).
     """
     raw = data if type(data) is bytes else bytes(data)
     if len(raw) <= JSON_FAST_DECODE_BYTES_MAX and _LONG_DIGIT_RUN not in raw.translate(_DIGITS_ONLY):
-        # orjson parses what the json module parses into the same values (floats correctly
-        # rounded, never an infinity: it refuses one), except an int beyond 64 bits, which it
-        # makes a float: only a run of 19 or more digits can be one, and such input takes
-        # the json module's path below. Whatever orjson refuses does too, so that path
-        # decides every error and its message.
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
-            pass
+            pass  # the json module's path below names the error
     try:
         text = raw.decode("utf-8")
         if not check_floats:

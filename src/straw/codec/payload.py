@@ -112,9 +112,10 @@ class PayloadRef:
 def decode_document(data: bytes | bytearray | memoryview) -> Any:
     """The parsed JSON of a sample document, for :func:`decode_sample` only.
 
-    Unlike :func:`straw.protocol.decode` it parses numbers with the C float parser instead of
-    checking each through a Python callback (a sample's log-probs are thousands of floats):
-    a number too large for a float becomes an infinity here, and ``decode_sample`` refuses
+    :func:`straw.protocol.decode` with ``check_floats=False``: where the json module parses
+    it (orjson, which refuses an overflowing number, takes most documents), numbers go through
+    the C float parser instead of a Python callback each (a sample's log-probs are thousands
+    of floats): a number too large for a float becomes an infinity there, and ``decode_sample`` refuses
     every non-finite number it meets (``CorruptData``), as the canonical decoder would.
     Invalid JSON or UTF-8, and the NaN and Infinity literals, are ``CorruptData`` at once.
     """
