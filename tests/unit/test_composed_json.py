@@ -7,7 +7,9 @@ write) into the document instead of encoding it again; their bytes must stay exa
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import math
 import string
 from typing import Any
 
@@ -190,3 +192,45 @@ def test_encode_plain_refuses_what_encode_refuses() -> None:
             encode(value)
         assert type(plain.value) is type(canonical.value)
         assert str(plain.value) == str(canonical.value)
+
+
+_with_non_finite = st.recursive(
+    st.none() | _plain_numbers | st.sampled_from([math.nan, math.inf, -math.inf]) | _texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_texts, inner, max_size=4),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_with_non_finite)
+def test_encode_plain_without_the_finite_promise_gives_what_encode_gives(value: Any) -> None:
+    """``finite=False``: a NaN or an infinity anywhere is refused as ``encode`` refuses it (orjson
+    alone would write ``null``); everything else gives the canonical bytes."""
+    try:
+        expected: bytes | str = encode(value)
+    except ValueError as error:
+        expected = str(error)
+    try:
+        got: bytes | str = encode_plain(value, finite=False)
+    except ValueError as error:
+        got = str(error)
+    assert got == expected
+
+
+def test_encode_plain_refuses_dates_as_encode_does() -> None:
+    for value in ({"at": datetime.datetime(2026, 12, 6)}, [datetime.date(2026, 12, 6)]):
+        with pytest.raises(TypeError, match="not JSON-encodable"):
+            encode_plain(value, finite=False)
+
+
+def test_a_journal_event_is_written_as_the_canonical_encoder_writes_it() -> None:
+    from straw._queue import events as ev
+
+    event = ev.Fail(
+        request_id="r\u00e9", fingerprint="f" * 64, task_id="t-1", attempt_id="a", failure="x", retryable=True
+    )
+    assert ev.encode(event) == encode(ev.as_body(event))
+    assert ev.decode(ev.encode(event)) == event
+    clocked = ev.Acquire(worker_id="w", reclaimed=[], grants=[["t", "a", "k"]], deadline=math.nan)
+    with pytest.raises(ValueError, match="NaN and Infinity are rejected"):
+        ev.encode(clocked)  # an injected clock's NaN journals nothing (as before)

@@ -30,7 +30,7 @@ from ..limits import (
     SUBMISSION_ID_BYTES_MAX,
     TOKENS_MAX,
 )
-from ..protocol import decode, encode, encode_text, quote
+from ..protocol import decode, encode, encode_plain, encode_text, quote
 
 FORMAT_VERSION = 1
 PACK_MAGIC = b"STRWPACK"
@@ -225,7 +225,8 @@ def metadata_pairs(metadata: dict[str, Any]) -> tuple[Any, ...]:
     out: list[Any] = []
     for key, value in metadata.items():
         out.append(key)
-        out.append(value if type(value) in SCALAR_TYPES else encode(value))
+        # (metadata decoded from an index, or encoded whole before: its values are JSON's own)
+        out.append(value if type(value) in SCALAR_TYPES else encode_plain(value, finite=False))
     return tuple(out)
 
 
@@ -278,7 +279,7 @@ def _stored_text(stored: Any) -> str:
 
 def inline_row(record_id: str, body: dict[str, Any]) -> Row:
     """The row of an index entry carrying a manifest inline (see :func:`inline_entry`)."""
-    return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode(body))
+    return (record_id, MANIFEST_CODEC, 0, 0, 0, "", "", encode_plain(body, finite=False))
 
 
 def row_length(row: Row) -> int:

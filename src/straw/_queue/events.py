@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from ..errors import CorruptData, UnsupportedSchema, invariant
-from ..protocol import Lease, TaskSpec
+from ..protocol import Lease, TaskSpec, encode_plain
 from ..protocol import decode as decode_json
-from ..protocol import encode as encode_json
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -389,8 +388,12 @@ def as_body(event: Event, *, op: bool = True) -> JsonObject:
 
 
 def encode(event: Event) -> bytes:
-    """The bytes journaled for an event (canonical JSON; the live-only fields left out)."""
-    return encode_json(as_body(event))
+    """The bytes journaled for an event (canonical JSON; the live-only fields left out).
+
+    ``encode_plain``: an event holds only strings, numbers, lists and dicts that straw built
+    or that passed ``validate`` (task metadata, producer states); a NaN or an infinity (an
+    injected clock's) is still refused, as by ``protocol.encode``."""
+    return encode_plain(as_body(event), finite=False)
 
 
 def decode(body: bytes | bytearray | memoryview) -> Event:
