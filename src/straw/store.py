@@ -1134,16 +1134,25 @@ class SharedFilesystemStore:
         return Entry(record_id, frame.MANIFEST_CODEC, {}, 0, empty, "", "", frame.manifest_body(manifest))
 
     def _external_dependencies(self, dependencies: list[RecordSetRef]) -> list[dict[str, Any]]:
-        """Verify dependencies outside this call; their manifests must exist and match (I1)."""
+        """Verify dependencies outside this call; their manifests must exist and match (I1).
+
+        It returns no bytes, so, like ``reach``, it may use the index frames a store of this
+        process wrote or verified (docs/DURABILITY.md D5): a training batch names the groups
+        its builder has just read. Every pack a dependency names must then still be there.
+        """
         if len(dependencies) > DEPENDENCIES_MAX:
             raise ResourceLimitExceeded(f"{len(dependencies)} dependencies exceed {DEPENDENCIES_MAX}")
-        session = self._session()
+        session = self._session(shared=True)
         out = []
+        packs: set[str] = set()
         for dep in dependencies:
             if not isinstance(dep, RecordSetRef):
                 raise TypeError(f"dependency must be a RecordSetRef, got {type(dep).__name__}")
-            session.resolve(dep)
+            resolved = session.resolve(dep)
+            packs.add(dep.manifest.segment.path)
+            packs |= resolved.record_paths()
             out.append({"digest": dep.digest, "ref": as_dict(dep)})
+        self._check_present(packs, "dependency")
         return out
 
     def _publish(

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import straw._pack.reader as reader_module
 import straw.store as store_module
 from straw import Publication, Record, SharedFilesystemStore
 from straw.backend import FilesystemBackend
@@ -232,3 +233,46 @@ def test_a_session_used_in_a_forked_child_refuses_and_the_parent_keeps_it(
         _, status = os.waitpid(child, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert [r.payload for r in session.read(ref)] == [b"payload"]
+
+
+def test_a_publication_naming_data_deleted_outside_collection_is_refused_and_writes_nothing(
+    store: SharedFilesystemStore,
+) -> None:
+    """Publishing checks its dependencies from the index this process wrote or verified (D5),
+    without opening their packs: a dependency whose pack was deleted behind the store's back
+    is refused at once (no visibility retry), whether or not it is staged again, and no
+    extent is written for the refused publication."""
+    with SharedFilesystemStore(store.backend.root, RUN) as other:  # another writer: another pack
+        gone = other.publish([Record("gone", b"g")], submission_id="gone")
+    kept = store.publish([Record("kept", b"k")], submission_id="kept")
+    (Path(store.backend.root) / gone.manifest.segment.path).unlink()
+    before = store.metrics["writes"]
+    for owned in ((), (gone,)):
+        with pytest.raises(StorageUnavailable, match="holding this dependency no longer exists"):
+            store.publish(
+                [Record("b", b"x")], submission_id="b", dependencies=[kept, gone], owned_dependencies=owned
+            )
+    assert store.metrics["writes"] == before
+    ref = store.publish([Record("b", b"x")], submission_id="b", dependencies=[kept])
+    assert [r.record_id for r in store.read(ref)] == ["b"]
+
+
+def test_a_dependency_read_before_is_not_read_again_to_publish(
+    store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch builder names groups it has just read: their index frames are verified once."""
+    with SharedFilesystemStore(store.backend.root, RUN) as other:
+        groups = [other.publish([Record(f"g{i}", b"g")], submission_id=f"g{i}") for i in range(3)]
+    with store.read_session() as session:  # the builder's load reads through a session of its own
+        for group in groups:
+            list(session.read(group))
+    frames: list[object] = []
+    verified = reader_module.frame.decode_json_frame
+
+    def counted(*args: Any) -> Any:
+        frames.append(args[1])
+        return verified(*args)
+
+    monkeypatch.setattr(reader_module.frame, "decode_json_frame", counted)
+    store.publish([Record("batch", b"b")], submission_id="batch", dependencies=groups)
+    assert frames == []
