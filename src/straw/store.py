@@ -1465,7 +1465,7 @@ class SharedFilesystemStore:
             if adoption is not None:
                 self._note_adoption(session, ref, resolved, adoption)
             packs.add(ref.manifest.segment.path)
-            packs.update(r.segment.path for r in resolved.records)
+            packs |= resolved.record_paths()  # (no located record built per ordinal)
             todo.extend(resolved.dependencies)
         return packs
 
