@@ -48,6 +48,11 @@ METADATA_BYTES_MAX = 64 * MiB
 METADATA_ROWS_CACHED = 1024
 METADATA_ROW_TEXT_CACHED_MAX = 4 * KiB
 
+#: Checked tensor descriptions remembered per process (``tensor._description``), by their
+#: canonical bytes, codec and byte count: the tensors of a batch share a few (dtype, shape,
+#: kind), so each is decoded and checked once, not once per tensor read. Small tuples.
+TENSOR_DESCRIPTIONS_CACHED = 4096
+
 #: Most records in one durable write. Bounds the index frame a reader must parse.
 RECORDS_PER_WRITE_MAX = 1_000_000
 

@@ -215,6 +215,16 @@ class _Resolved:
             return self._records or ()
         return tuple([_Located(segment, o, index) for o in self._ordinals])
 
+    def __len__(self) -> int:
+        return len(self._ordinals) if self._index is not None else len(self._records or ())
+
+    def record(self, number: int) -> _Located:
+        """``records[number]`` (0 <= number < len(self)), without building the others."""
+        segment, index = self._segment, self._index
+        if segment is None or index is None:
+            return (self._records or ())[number]
+        return _Located(segment, self._ordinals[number], index)
+
     def extents(self) -> list[tuple[frame.Index, tuple[int, ...]]]:
         """The records as (index, ordinals there), without building each located record."""
         if self._index is not None:

@@ -17,6 +17,7 @@ through :func:`attach` or the ``STRAW_POOL_ROOTS`` environment variable
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -31,8 +32,14 @@ import numpy as np
 from ._fs import posix
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
-from .limits import CHUNK_BYTES, KIND_BYTES_MAX, TENSOR_DIMS_MAX, WRITERS_CACHED_MAX
-from .protocol import Record, RecordRef, RecordSetRef
+from .limits import (
+    CHUNK_BYTES,
+    KIND_BYTES_MAX,
+    TENSOR_DESCRIPTIONS_CACHED,
+    TENSOR_DIMS_MAX,
+    WRITERS_CACHED_MAX,
+)
+from .protocol import Record, RecordRef, RecordSetRef, decode
 from .store import POOL_MARKER, ReadSession, SharedFilesystemStore
 
 __all__ = [
@@ -369,6 +376,24 @@ def _describe(
     return dtype, tuple(shape), kind
 
 
+def _located_description(located: Any) -> tuple[str, tuple[int, ...], str, int]:
+    """``_describe`` of a located record (``ReadSession.locate``), and its byte count, from its
+    index row: the description's canonical bytes are decoded and checked once per distinct
+    description and byte count (``_description``), not once per tensor read. Anything that
+    does not check out there is described from the whole entry, which raises what it raises."""
+    _, codec, length, stored = located.index.stored(located.ordinal, "tensor")
+    if type(stored) is bytes:
+        with contextlib.suppress(Exception):  # described again below, naming the record
+            return (*_description(codec, stored, length), length)
+    entry = located.entry
+    return (*_describe(entry.codec, entry.metadata, entry.length, entry.record_id), entry.length)
+
+
+@functools.lru_cache(maxsize=TENSOR_DESCRIPTIONS_CACHED)
+def _description(codec: str, stored: bytes, length: int) -> tuple[str, tuple[int, ...], str]:
+    return _describe(codec, {"tensor": decode(stored)}, length, "")
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A published tensor: shape, dtype, byte count, kind and where its record is.
@@ -437,13 +462,12 @@ class TensorRef:
                 f"Typed tensor reference {self.what}: shape {list(self.shape)} of {self.dtype} does not "
                 f"make {self.nbytes} bytes (a damaged or edited reference)"
             )
-        entry = session.locate(self.record_ref).entry
-        stored = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
-        if stored[:2] != (self.dtype, self.shape) or entry.length != self.nbytes:
+        dtype, shape, _, length = _located_description(session.locate(self.record_ref))
+        if (dtype, shape) != (self.dtype, self.shape) or length != self.nbytes:
             raise CorruptData(
                 f"Typed tensor reference {self.what} says {self.dtype}{list(self.shape)} "
-                f"({self.nbytes} bytes), the stored record holds {stored[0]}{list(stored[1])} "
-                f"({entry.length} bytes)"
+                f"({self.nbytes} bytes), the stored record holds {dtype}{list(shape)} "
+                f"({length} bytes)"
             )
 
     # -- reads -------------------------------------------------------------------------
@@ -570,8 +594,7 @@ class TensorRef:
             raise InvalidReference(
                 f"ordinal {ordinal!r} is not in a record set of {len(resolved.records)} records"
             )
-        located = resolved.records[ordinal]
-        return cls.from_entry(located.ref(), located.entry, ref, ordinal, str(store.backend.root))
+        return cls.from_located(resolved.record(ordinal), ref, ordinal, str(store.backend.root))
 
     @classmethod
     def from_record_set_many(
@@ -584,8 +607,8 @@ class TensorRef:
         session = reader_for(ref.manifest, reader if reader is not None else store)
         found = {}
         for ordinal, located in enumerate(session.resolve(ref).records):
-            if located.entry.codec.startswith("tensor."):
-                found[ordinal] = cls.from_entry(located.ref(), located.entry, ref, ordinal, session.root)
+            if located.index.stored(located.ordinal, "tensor")[1].startswith("tensor."):
+                found[ordinal] = cls.from_located(located, ref, ordinal, session.root)
         return found
 
     @classmethod
@@ -595,6 +618,15 @@ class TensorRef:
         """A reference from a verified index entry (``ReadSession.locate(...).entry``)."""
         dtype, shape, kind = _describe(entry.codec, entry.metadata, entry.length, entry.record_id)
         return cls(ref, shape, dtype, entry.length, kind, record_set, ordinal, root)
+
+    @classmethod
+    def from_located(
+        cls, located: Any, record_set: RecordSetRef | None, ordinal: int, root: str = ""
+    ) -> TensorRef:
+        """:meth:`from_entry` of a located record (``ReadSession.locate(...)``), without building
+        its entry: the description comes from the index row (checked once per distinct one)."""
+        dtype, shape, kind, length = _located_description(located)
+        return cls(located.ref(), shape, dtype, length, kind, record_set, ordinal, root)
 
 
 # --------------------------------------------------------------------------- publishing

@@ -516,6 +516,29 @@ def test_a_record_whose_shape_does_not_match_its_bytes_is_corrupt(store: SharedF
         TensorRef.from_record_set_many(store, ref)
 
 
+def test_a_description_checked_before_does_not_vouch_for_a_record_of_other_bytes(
+    store: SharedFilesystemStore,
+) -> None:
+    """Descriptions are checked once per distinct one and byte count (a batch's tensors share a
+    few): a record of the same description and the wrong size is still corrupt, and named."""
+    meta = {"tensor": {"dtype": "int32", "shape": [3, 4], "kind": "x"}}
+    good = store.publish(
+        [Record(f"ok{i}", bytes(48), TENSOR_CODEC, meta) for i in range(5)], submission_id="good"
+    )
+    before = tensor_module._description.cache_info()
+    assert [t.shape for t in TensorRef.from_record_set_many(store, good).values()] == [(3, 4)] * 5
+    assert TensorRef.from_record_set(store, good, 2).nbytes == 48
+    after = tensor_module._description.cache_info()
+    assert after.misses - before.misses <= 1  # one description, decoded and checked once
+    short = store.publish([Record("short-one", bytes(40), TENSOR_CODEC, meta)], submission_id="short")
+    with pytest.raises(CorruptData, match=r"record 'short-one': shape \[3, 4\] of int32 needs 48 bytes"):
+        TensorRef.from_record_set(store, short, 0)
+    bad = {"tensor": {"dtype": "int33", "shape": [3, 4], "kind": "x"}}
+    odd = store.publish([Record("odd", bytes(48), TENSOR_CODEC, bad)], submission_id="odd")
+    with pytest.raises(UnsupportedSchema, match="tensor record 'odd' has dtype 'int33'"):
+        TensorRef.from_record_set(store, odd, 0)
+
+
 def test_a_reference_that_disagrees_with_its_record_is_corrupt(store: SharedFilesystemStore) -> None:
     (ref,) = publish_tensors(store, {"x": torch.zeros(3, 4, dtype=torch.int32)}, submission_id="x")
     with pytest.raises(CorruptData, match="does not make"):

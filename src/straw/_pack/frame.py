@@ -369,6 +369,18 @@ class Index:
                 found[1] = _value(row[at + 1])
         return found[0], found[1]
 
+    def stored(self, ordinal: int, key: str) -> tuple[str, str, int, Any]:
+        """Entry ``ordinal``'s record id, codec and payload bytes, and its metadata value ``key``
+        as the row keeps it (a scalar, or a list's or object's canonical JSON bytes; None when
+        absent), without building the entry (a tensor reference needs only its description)."""
+        row = self.rows[ordinal]
+        value = None
+        for at in range(_PAIRS, len(row), 2):
+            if row[at] == key:
+                value = row[at + 1]
+                break
+        return row[0], row[1], row_length(row), value
+
     @property
     def entries(self) -> tuple[IndexEntry, ...]:
         """Every entry, built afresh (a walk over the whole frame: inspection, tests)."""

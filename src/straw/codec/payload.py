@@ -410,7 +410,7 @@ class _StoreDecoder(Decoder):
             )
         located = self.records[ordinal]
         if tag in ("ndarray", "tensor", "tref"):
-            tensor = TensorRef.from_entry(located.ref(), located.entry, self.ref, ordinal, self.root)
+            tensor = TensorRef.from_located(located, self.ref, ordinal, self.root)
             if not self.loads(tensor, tag):
                 return tensor
             return tensor.numpy(reader=self.session) if tag == "ndarray" else tensor.load(reader=self.session)
@@ -432,13 +432,12 @@ class _StoreDecoder(Decoder):
         if tag == "rset":
             return dependency
         ordinal = node["o"]
-        records = self.session.resolve(dependency).records
-        if type(ordinal) is not int or not 0 <= ordinal < len(records):
+        resolved = self.session.resolve(dependency)
+        if type(ordinal) is not int or not 0 <= ordinal < len(resolved):
             raise CorruptData(
-                f"sample document names tensor {ordinal!r} of a publication of {len(records)} records"
+                f"sample document names tensor {ordinal!r} of a publication of {len(resolved)} records"
             )
-        located = records[ordinal]
-        tensor = TensorRef.from_entry(located.ref(), located.entry, dependency, ordinal, self.root)
+        tensor = TensorRef.from_located(resolved.record(ordinal), dependency, ordinal, self.root)
         return tensor.load(reader=self.session) if self.loads(tensor, "tref") else tensor
 
 
