@@ -157,6 +157,11 @@ class _Located:
         return self.index.entry(self.ordinal)
 
     @property
+    def payload_entry(self) -> frame.IndexEntry:
+        """The entry without its metadata (``Index.payload_entry``): for payload reads only."""
+        return self.index.payload_entry(self.ordinal)
+
+    @property
     def metadata(self) -> dict[str, Any]:
         """The entry's metadata alone, built afresh."""
         return self.index.metadata(self.ordinal)
@@ -655,7 +660,7 @@ class ReadSession:
         there: a tensor loads into its own freshly allocated storage with no intermediate copy.
         """
         located = self.locate(ref)
-        entry = located.entry
+        entry = located.payload_entry
         if target.nbytes != entry.length:
             raise ValueError(
                 f"target holds {target.nbytes} bytes, record {entry.record_id!r} has {entry.length}"
@@ -668,19 +673,19 @@ class ReadSession:
         docs/DURABILITY.md D5.6a). Nothing is copied, and changing the view changes only this
         process's pages; a tensor's array can be made over it directly."""
         located = self.locate(ref)
-        return self._reader.payload_mapped(located.segment, located.entry, located.chunk)
+        return self._reader.payload_mapped(located.segment, located.payload_entry, located.chunk)
 
     def read_view(self, ref: RecordRef) -> memoryview:
         """The whole verified payload in writable memory of its own: :meth:`read_mapped`'s pages
         where it maps them, else a fresh read buffer filled by one read (a tensor's array views it)."""
         located = self.locate(ref)
-        return self._reader.payload_view(located.segment, located.entry, located.chunk)
+        return self._reader.payload_view(located.segment, located.payload_entry, located.chunk)
 
     def read_tensor_range(self, ref: RecordRef, start: int, stop: int) -> memoryview:
         """Payload bytes ``start:stop`` in fresh writable memory, reading and verifying only the chunks
         they touch (like :meth:`read_range`, but the result may back a tensor without a copy)."""
         located = self.locate(ref)
-        entry, chunk = located.entry, located.chunk
+        entry, chunk = located.payload_entry, located.chunk
         if entry.inline is not None or not 0 <= start <= stop <= entry.length:
             raise ValueError(f"range {start}:{stop} outside a payload of {entry.length} bytes")
         if start == stop:

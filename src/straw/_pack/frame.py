@@ -352,6 +352,23 @@ class Index:
             None if inline is None else decode(inline),
         )
 
+    def payload_entry(self, ordinal: int) -> IndexEntry:
+        """Entry ``ordinal`` with its metadata left out (an empty dict): what the payload reads
+        use (offset, length, chunk table, inline manifest), without decoding the metadata."""
+        row = self.rows[ordinal]
+        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_PAIRS]
+        return IndexEntry(
+            record_id,
+            codec,
+            {},
+            tokens,
+            offset,
+            length,
+            content,
+            chunks,
+            None if inline is None else decode(inline),
+        )
+
     def metadata(self, ordinal: int) -> dict[str, Any]:
         """Entry ``ordinal``'s metadata alone, built afresh."""
         return _row_metadata(self.rows[ordinal])
