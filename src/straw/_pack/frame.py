@@ -309,6 +309,12 @@ def _row_metadata(row: Row) -> dict[str, Any]:
     return {key: _value(stored) for key, stored in zip(row[_PAIRS::2], row[_PAIRS + 1 :: 2], strict=True)}
 
 
+def _row_entry(row: Row, metadata: dict[str, Any]) -> IndexEntry:
+    record_id, codec, tokens, offset, length, content, chunks, inline = row[:_PAIRS]
+    inline_manifest = None if inline is None else decode(inline)
+    return IndexEntry(record_id, codec, metadata, tokens, offset, length, content, chunks, inline_manifest)
+
+
 class Index:
     """A decoded index frame: every record of one durable write.
 
@@ -339,35 +345,12 @@ class Index:
     def entry(self, ordinal: int) -> IndexEntry:
         """Entry ``ordinal`` (0 <= ordinal < len(self)), built afresh from its row."""
         row = self.rows[ordinal]
-        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_PAIRS]
-        return IndexEntry(
-            record_id,
-            codec,
-            _row_metadata(row),
-            tokens,
-            offset,
-            length,
-            content,
-            chunks,
-            None if inline is None else decode(inline),
-        )
+        return _row_entry(row, _row_metadata(row))
 
     def payload_entry(self, ordinal: int) -> IndexEntry:
         """Entry ``ordinal`` with its metadata left out (an empty dict): what the payload reads
         use (offset, length, chunk table, inline manifest), without decoding the metadata."""
-        row = self.rows[ordinal]
-        record_id, codec, tokens, offset, length, content, chunks, inline = row[:_PAIRS]
-        return IndexEntry(
-            record_id,
-            codec,
-            {},
-            tokens,
-            offset,
-            length,
-            content,
-            chunks,
-            None if inline is None else decode(inline),
-        )
+        return _row_entry(self.rows[ordinal], {})
 
     def metadata(self, ordinal: int) -> dict[str, Any]:
         """Entry ``ordinal``'s metadata alone, built afresh."""
