@@ -1148,12 +1148,16 @@ class SharedFilesystemStore:
         empty = memoryview(b"")
         return Entry(record_id, frame.MANIFEST_CODEC, {}, 0, empty, "", "", frame.manifest_body(manifest))
 
-    def _external_dependencies(self, dependencies: list[RecordSetRef]) -> list[dict[str, Any]]:
+    def _external_dependencies(
+        self, dependencies: list[RecordSetRef], unstaged: frozenset[RecordSetRef] = frozenset()
+    ) -> list[dict[str, Any]]:
         """Verify dependencies outside this call; their manifests must exist and match (I1).
 
         It returns no bytes, so, like ``reach``, it may use the index frames a store of this
         process wrote or verified (docs/DURABILITY.md D5): a training batch names the groups
-        its builder has just read. Every pack a dependency names must then still be there.
+        its builder has just read. Every pack a dependency names must then still be there:
+        ``_stage``'s ``reach`` looks for those of the dependencies it stages, this for the
+        ``unstaged`` ones (``owned_dependencies``), so each pack is looked for once.
         """
         if len(dependencies) > DEPENDENCIES_MAX:
             raise ResourceLimitExceeded(f"{len(dependencies)} dependencies exceed {DEPENDENCIES_MAX}")
@@ -1164,8 +1168,9 @@ class SharedFilesystemStore:
             if not isinstance(dep, RecordSetRef):
                 raise TypeError(f"dependency must be a RecordSetRef, got {type(dep).__name__}")
             resolved = session.resolve(dep)
-            packs.add(dep.manifest.segment.path)
-            packs |= resolved.record_paths()
+            if dep in unstaged:
+                packs.add(dep.manifest.segment.path)
+                packs |= resolved.record_paths()
             out.append({"digest": dep.digest, "ref": as_dict(dep)})
         self._check_present(packs, "dependency")
         return out
@@ -1185,7 +1190,7 @@ class SharedFilesystemStore:
             if not isinstance(publication, Publication):
                 raise TypeError(f"publish_many takes Publication objects, got {type(publication).__name__}")
             records = [self._entry(r) for r in publication.records]
-            deps = self._publication_dependencies(publication.dependencies, number, sets)
+            deps = self._publication_dependencies(publication.dependencies, number, sets, owned)
             set_digest = logical_digest(records, [d["digest"] for d in deps])
             first = len(entries)
             pairs = tuple((-1, first + i) for i in range(len(records)))
@@ -1219,12 +1224,13 @@ class SharedFilesystemStore:
         dependencies: Sequence[RecordSetRef | int],
         number: int,
         earlier: list[tuple[int, str, int, int, int]],
+        owned: frozenset[RecordSetRef],
     ) -> list[dict[str, Any]]:
         for dep in dependencies:
             if isinstance(dep, bool) or not isinstance(dep, (int, RecordSetRef)):
                 raise TypeError(f"a dependency is a RecordSetRef or an int, got {type(dep).__name__}")
         external = [d for d in dependencies if not isinstance(d, int)]
-        resolved = iter(self._external_dependencies(external))
+        resolved = iter(self._external_dependencies(external, owned))
         out = []
         for dep in dependencies:
             if isinstance(dep, bool) or not isinstance(dep, int):

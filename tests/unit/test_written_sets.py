@@ -247,8 +247,8 @@ def test_a_publication_naming_data_deleted_outside_collection_is_refused_and_wri
     kept = store.publish([Record("kept", b"k")], submission_id="kept")
     (Path(store.backend.root) / gone.manifest.segment.path).unlink()
     before = store.metrics["writes"]
-    for owned in ((), (gone,)):
-        with pytest.raises(StorageUnavailable, match="holding this dependency no longer exists"):
+    for owned, what in (((), "record set"), ((gone,), "dependency")):  # staged again, or not
+        with pytest.raises(StorageUnavailable, match=f"holding this {what} no longer exists"):
             store.publish(
                 [Record("b", b"x")], submission_id="b", dependencies=[kept, gone], owned_dependencies=owned
             )
