@@ -157,6 +157,10 @@ class _Located:
         return self.index.entry(self.ordinal)
 
     @property
+    def codec(self) -> str:
+        return self.index.codec(self.ordinal)
+
+    @property
     def payload_entry(self) -> frame.IndexEntry:
         """The entry without its metadata (``Index.payload_entry``): for payload reads only."""
         return self.index.payload_entry(self.ordinal)

@@ -383,7 +383,8 @@ def _located_description(located: Any) -> tuple[str, tuple[int, ...], str, int]:
     does not check out there is described from the whole entry, which raises what it raises."""
     _, codec, length, stored = located.index.stored(located.ordinal, "tensor")
     if type(stored) is bytes:
-        with contextlib.suppress(Exception):  # described again below, naming the record
+        # Described again below from the whole entry, whose errors name the record.
+        with contextlib.suppress(CorruptData, InvalidReference, UnsupportedSchema):
             return (*_description(codec, stored, length), length)
     entry = located.entry
     return (*_describe(entry.codec, entry.metadata, entry.length, entry.record_id), entry.length)
@@ -586,14 +587,8 @@ class TensorRef:
         attach(store)
         session = reader_for(ref.manifest, store)
         resolved = session.resolve(ref)
-        if (
-            isinstance(ordinal, bool)
-            or not isinstance(ordinal, int)
-            or not 0 <= ordinal < len(resolved.records)
-        ):
-            raise InvalidReference(
-                f"ordinal {ordinal!r} is not in a record set of {len(resolved.records)} records"
-            )
+        if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal < len(resolved):
+            raise InvalidReference(f"ordinal {ordinal!r} is not in a record set of {len(resolved)} records")
         return cls.from_located(resolved.record(ordinal), ref, ordinal, str(store.backend.root))
 
     @classmethod
@@ -607,7 +602,7 @@ class TensorRef:
         session = reader_for(ref.manifest, reader if reader is not None else store)
         found = {}
         for ordinal, located in enumerate(session.resolve(ref).records):
-            if located.index.stored(located.ordinal, "tensor")[1].startswith("tensor."):
+            if located.codec.startswith("tensor."):
                 found[ordinal] = cls.from_located(located, ref, ordinal, session.root)
         return found
 

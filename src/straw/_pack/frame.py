@@ -369,6 +369,10 @@ class Index:
                 found[1] = _value(row[at + 1])
         return found[0], found[1]
 
+    def codec(self, ordinal: int) -> str:
+        """Entry ``ordinal``'s codec, without building the entry."""
+        return str(self.rows[ordinal][1])
+
     def stored(self, ordinal: int, key: str) -> tuple[str, str, int, Any]:
         """Entry ``ordinal``'s record id, codec and payload bytes, and its metadata value ``key``
         as the row keeps it (a scalar, or a list's or object's canonical JSON bytes; None when

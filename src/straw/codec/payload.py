@@ -414,8 +414,8 @@ class _StoreDecoder(Decoder):
             if not self.loads(tensor, tag):
                 return tensor
             return tensor.numpy(reader=self.session) if tag == "ndarray" else tensor.load(reader=self.session)
-        if located.entry.codec != BYTES_CODEC:
-            raise CorruptData(f"sample part {ordinal} should be {BYTES_CODEC}, it is {located.entry.codec!r}")
+        if located.codec != BYTES_CODEC:
+            raise CorruptData(f"sample part {ordinal} should be {BYTES_CODEC}, it is {located.codec!r}")
         data = self.session.read_record(located.ref()).payload
         if tag == "pil":
             return _image(data, node)
