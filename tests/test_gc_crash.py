@@ -237,8 +237,10 @@ def test_g5_sigkilled_writer_is_found_dead_and_only_its_unowned_data_reclaimed(
     assert sorted(p.name for p in writer_dir.iterdir() if p.name.endswith(".tmp")) == []
     state = _catalog(root)
     assert all(state.packs[p].sealed for p in kept_paths)
-    for path in unsealed:  # G5: sealed in the catalog by the collector (null extents)
+    for path in unsealed & kept_paths:  # G5: sealed in the catalog by the collector (null extents)
         assert state.packs[path].sealed and state.packs[path].extents is None
+    for path in on_disk - kept_paths:  # reclaimed: a name only, its staging forgotten
+        assert path in state.reclaimed and path not in state.packs
     for name in ("w1", "w17", "w29"):
         assert _read(root, refs[name]) == [(name, payload(name))]
     keeper.release("keep")

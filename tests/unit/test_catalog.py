@@ -46,6 +46,7 @@ W2 = "b" * 32
 P1 = f"raw/{W1}/{'1' * 32}.pack"
 P2 = f"raw/{W1}/{'2' * 32}.pack"
 P3 = f"raw/{W2}/{'3' * 32}.seg"
+P4 = f"raw/{W2}/{'4' * 32}.pack"
 
 CATALOG_PHASES = ("before_catalog_write", "after_catalog_append", "after_catalog_sync")
 
@@ -150,6 +151,47 @@ def test_writer_dead_tombstone_and_reclaimed_accumulate() -> None:
     assert state.dead_writers == {W1}
     assert state.tombstones == {P1, P2}
     assert state.reclaimed == {P1}
+
+
+def test_a_reclaimed_pack_keeps_its_name_and_drops_its_extents() -> None:
+    # A long job reclaims thousands of packs of hundreds of extents each: once a pack is gone
+    # from disk, the state (and so every catalog snapshot) keeps only its name.
+    extents = {str(offset): [1, 3] for offset in range(64, 64 * 200, 64)}
+    items = [[P1, int(offset), ordinal] for offset in extents for ordinal in (1, 3)]
+    state = _state(
+        {"op": "seal", "pack": P1, "extents": extents},
+        {"op": "unstage", "items": items},
+        {"op": "seal", "pack": P2, "extents": {"64": [1]}},
+        {"op": "writer_dead", "writer": W1},
+    )
+    assert state.staging_over(P1) and len(state.packs[P1].released) == len(extents)
+    before = state.why(P1)
+    state.apply({"op": "tombstone", "packs": [P1]})
+    state.apply({"op": "reclaimed", "packs": [P1]})
+    assert P1 not in state.packs and P1 not in state.to_dict()["packs"]
+    assert (state.tombstones, state.reclaimed) == ({P1}, {P1})
+    # Explaining it still says what it was: sealed, its staging over, tombstoned.
+    assert state.why(P1) == {**before, "tombstoned": True}
+    # An adoption noted (or a seal replayed) after the collection does not bring it back.
+    state.apply({"op": "unstage", "items": [[P1, 64, 1], [P2, 64, 1]]})
+    state.apply({"op": "seal", "pack": P1, "extents": {"64": [1]}})
+    assert P1 not in state.packs and state.staging_over(P2)
+    assert state.collectable([P1, P2]) == [P2]  # (P1 is tombstoned: never offered again)
+
+
+def test_from_dict_forgets_the_reclaimed_packs_an_older_snapshot_lists() -> None:
+    data = {
+        "v": 2,
+        "owners": {},
+        "packs": {P1: [W1, True, {"64": [1]}, [[64, 0b100]]], P2: [W1, True, {"64": [1]}, []]},
+        "dead_writers": [],
+        "tombstones": [P1],
+        "reclaimed": [P1],
+    }
+    state = CatalogState.from_dict(data)
+    assert list(state.packs) == [P2] and state.reclaimed == {P1}
+    assert state.why(P1)["sealed"] and state.why(P1)["staging_over"]
+    assert state.to_dict()["packs"] == {P2: [W1, True, {"64": [1]}, []]}
 
 
 @pytest.mark.parametrize("event", [{"op": "compact"}, {"op": 3}, {}])
@@ -285,7 +327,10 @@ def _rich_state() -> CatalogState:
         {"op": "unstage", "items": [[P1, 154, 1], [P2, 10, RECORDS_ONLY]]},
         {"op": "writer_dead", "writer": W2},
         {"op": "tombstone", "packs": [P2]},
-        {"op": "reclaimed", "packs": [P2]},
+        {"op": "seal", "pack": P4, "extents": {"64": [1]}},
+        {"op": "unstage", "items": [[P4, 64, 1]]},
+        {"op": "tombstone", "packs": [P4]},
+        {"op": "reclaimed", "packs": [P4]},
     )
 
 
@@ -301,8 +346,8 @@ def test_to_dict_from_dict_round_trip_keeps_every_field_and_decision() -> None:
             P3: [W2, True, None, []],
         },
         "dead_writers": [W2],
-        "tombstones": [P2],
-        "reclaimed": [P2],
+        "tombstones": [P2, P4],
+        "reclaimed": [P4],  # a reclaimed pack is a name only: no entry in "packs"
     }
     back = CatalogState.from_dict(decode(encode(data)))  # through canonical JSON, as stored
     assert back.to_dict() == data
@@ -313,9 +358,9 @@ def test_to_dict_from_dict_round_trip_keeps_every_field_and_decision() -> None:
         state.tombstones,
         state.reclaimed,
     )
-    for path in (P1, P2, P3):
+    for path in (P1, P2, P3, P4):
         assert back.why(path) == state.why(path)
-    assert back.collectable([P1, P2, P3]) == state.collectable([P1, P2, P3])
+    assert back.collectable([P1, P2, P3, P4]) == state.collectable([P1, P2, P3, P4])
 
 
 def test_from_dict_of_an_empty_state() -> None:
@@ -441,7 +486,8 @@ def test_two_catalogs_on_one_pool_exclude_each_other_and_see_each_others_events(
 
 
 def test_describe_counts(pool: Path) -> None:
-    assert describe(_rich_state()) == {"owners": 3, "tombstones": 1, "known_packs": 3, "dead_writers": 1}
+    # (P4 is reclaimed: a tombstone, no longer a known pack)
+    assert describe(_rich_state()) == {"owners": 3, "tombstones": 2, "known_packs": 3, "dead_writers": 1}
 
 
 def _log_with_last_frame(pool: Path) -> tuple[Path, int, int]:

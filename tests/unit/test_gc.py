@@ -166,7 +166,8 @@ def test_lifetime_calls_return_shapes(root: Path) -> None:
     result = store.collect_garbage()
     assert set(result) == RESULT_KEYS
     assert all(isinstance(result[k], int) for k in RESULT_KEYS - {"catalog"})
-    assert result["catalog"] == {"owners": 0, "tombstones": 1, "known_packs": 1, "dead_writers": 0}
+    # (the reclaimed pack is a tombstone only, no longer a known pack)
+    assert result["catalog"] == {"owners": 0, "tombstones": 1, "known_packs": 0, "dead_writers": 0}
     assert (result["reclaimed_files"], result["owners"], result["tombstones"]) == (1, 0, 1)
     store.close()
 
@@ -197,6 +198,11 @@ def test_explain_answers_owners_seal_writer_staging_and_tombstone(root: Path) ->
     assert store.collect_garbage()["reclaimed_files"] == 1
     answer = store.explain(path)
     assert (answer["owners"], answer["tombstoned"], answer["exists"]) == ([], True, False)
+    assert (answer["sealed"], answer["staging_over"]) == (True, True)  # kept as a name only
+    fresh = Catalog(store.backend)  # another view, reading the log from disk
+    with fresh.locked() as catalog:
+        assert path in catalog.state.reclaimed and path not in catalog.state.packs
+    fresh.close()
     with pytest.raises(InvalidReference):
         store.explain("../outside.pack")
     store.close()

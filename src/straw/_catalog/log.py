@@ -314,7 +314,8 @@ class Catalog:
 
 
 def describe(state: CatalogState) -> dict[str, Any]:
-    """Counts for ``collect_garbage`` results and inspection."""
+    """Counts for ``collect_garbage`` results and inspection. ``known_packs`` counts the packs
+    whose seal or staging the catalog holds; a reclaimed pack is only a tombstone."""
     return {
         "owners": len(state.owners),
         "tombstones": len(state.tombstones),

@@ -2,7 +2,10 @@
 
 A pack may be reclaimed only when it is sealed, no owner reaches it, and its
 staging is over: every extent's publications were released, or its writer is
-dead. Nothing here touches the filesystem.
+dead. Once it is reclaimed only its name is kept (in ``tombstones`` and
+``reclaimed``): its extents and released staging go, so the state, and every
+catalog snapshot, holds per-extent entries for live packs only (docs/GC.md).
+Nothing here touches the filesystem.
 """
 
 from __future__ import annotations
@@ -104,14 +107,18 @@ class CatalogState:
         return info
 
     def _seal(self, event: Mapping[str, Any]) -> None:
+        if event["pack"] in self.reclaimed:
+            return  # gone from disk: nothing about it decides anything any more
         info = self._pack(event["pack"])
         info.sealed = True
         extents = event.get("extents")
         info.extents = {int(k): list(v) for k, v in extents.items()} if extents is not None else None
 
     def _unstage(self, event: Mapping[str, Any]) -> None:
+        reclaimed = self.reclaimed
         for path, offset, ordinal in event["items"]:
-            self._pack(path).release(offset, ordinal)
+            if path not in reclaimed:  # (an adoption noted after a collection removed the pack)
+                self._pack(path).release(offset, ordinal)
 
     def _writer_dead(self, event: Mapping[str, Any]) -> None:
         self.dead_writers.add(event["writer"])
@@ -120,7 +127,11 @@ class CatalogState:
         self.tombstones.update(event["packs"])
 
     def _reclaimed(self, event: Mapping[str, Any]) -> None:
+        """The packs are gone from disk: their names stay, their per-extent staging goes (a
+        long job reclaims thousands of packs of hundreds of extents each)."""
         self.reclaimed.update(event["packs"])
+        for path in event["packs"]:
+            self.packs.pop(path, None)
 
     # -- decisions ---------------------------------------------------------------------
 
@@ -156,13 +167,14 @@ class CatalogState:
     def why(self, path: str) -> dict[str, Any]:
         """Why a pack is (or is not) retained: the owners that reach it and its staging."""
         info = self.packs.get(path)
+        gone = path in self.reclaimed  # (only a sealed pack whose staging was over is reclaimed)
         return {
             "pack": path,
             "owners": sorted(self.reached().get(path, [])),
-            "sealed": bool(info and info.sealed),
+            "sealed": gone or bool(info and info.sealed),
             "writer": writer_of(path),
-            "writer_dead": bool(info and info.writer in self.dead_writers),
-            "staging_over": self.staging_over(path),
+            "writer_dead": (info is not None or gone) and writer_of(path) in self.dead_writers,
+            "staging_over": gone or self.staging_over(path),
             "tombstoned": path in self.tombstones,
         }
 
@@ -200,7 +212,10 @@ class CatalogState:
             )
         state = cls()
         state.owners = {k: set(v) for k, v in data["owners"].items()}
+        state.reclaimed = set(data["reclaimed"])
         for path, (writer, sealed, extents, released) in data["packs"].items():
+            if path in state.reclaimed:
+                continue  # a snapshot written before reclaimed packs were forgotten lists them
             info = state.packs[path] = PackInfo(
                 writer,
                 sealed,
@@ -216,7 +231,6 @@ class CatalogState:
                 info.released[int(offset)] = mask
         state.dead_writers = set(data["dead_writers"])
         state.tombstones = set(data["tombstones"])
-        state.reclaimed = set(data["reclaimed"])
         return state
 
 
