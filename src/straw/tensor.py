@@ -381,7 +381,7 @@ def _located_description(located: Any) -> tuple[str, tuple[int, ...], str, int]:
     index row: the description's canonical bytes are decoded and checked once per distinct
     description and byte count (``_description``), not once per tensor read. Anything that
     does not check out there is described from the whole entry, which raises what it raises."""
-    _, codec, length, stored = located.index.stored(located.ordinal, "tensor")
+    codec, length, stored = located.index.stored(located.ordinal, "tensor")
     if type(stored) is bytes:
         # Described again below from the whole entry, whose errors name the record.
         with contextlib.suppress(CorruptData, InvalidReference, UnsupportedSchema):

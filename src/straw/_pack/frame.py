@@ -373,9 +373,9 @@ class Index:
         """Entry ``ordinal``'s codec, without building the entry."""
         return str(self.rows[ordinal][1])
 
-    def stored(self, ordinal: int, key: str) -> tuple[str, str, int, Any]:
-        """Entry ``ordinal``'s record id, codec and payload bytes, and its metadata value ``key``
-        as the row keeps it (a scalar, or a list's or object's canonical JSON bytes; None when
+    def stored(self, ordinal: int, key: str) -> tuple[str, int, Any]:
+        """Entry ``ordinal``'s codec and payload bytes, and its metadata value ``key`` as the
+        row keeps it (a scalar, or a list's or object's canonical JSON bytes; None when
         absent), without building the entry (a tensor reference needs only its description)."""
         row = self.rows[ordinal]
         value = None
@@ -383,7 +383,7 @@ class Index:
             if row[at] == key:
                 value = row[at + 1]
                 break
-        return row[0], row[1], row_length(row), value
+        return row[1], row_length(row), value
 
     @property
     def entries(self) -> tuple[IndexEntry, ...]:
