@@ -70,7 +70,13 @@ def representatives(queue: Coordinator) -> tuple[int, dict[int, int]]:
     for commit in queue.commits:
         if commit["task_id"].startswith("prompt:") and commit["position"] not in replaced:
             count[tasks[commit["task_id"]]["spec"]["metadata"]["group_index"]] += 1
-    fresh = sorted(int(t.split(":")[1]) for t in tasks if t.split(":")[1].isdigit())
+    # A fresh prompt task is ``prompt:<group index>``; other ids (``collection:<incarnation>:..``)
+    # may hold an all-digit field too, so the prefix is checked first.
+    fresh = sorted(
+        int(t[len("prompt:") :]) for t in tasks if t.startswith("prompt:") and t[len("prompt:") :].isdigit()
+    )
     issued = int(queue.producer_state("dataset")["cursor"]["sample_group_index"])
-    assert fresh == list(range(issued)), "fresh prompt tasks are exactly the groups the cursor issued"
+    assert fresh == list(range(issued)), (
+        f"fresh prompt tasks are exactly the groups the cursor issued: {fresh} vs {issued}"
+    )
     return issued, dict(count)
