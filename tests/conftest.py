@@ -23,8 +23,16 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import juicefs_mount
+
+# Hypothesis times each example (its deadline) and the first examples together (the too_slow
+# health check) by the wall clock. No test here asserts speed (that is the benchmarks' job), and
+# on a loaded 2-core machine one stall of a quarter second would fail a correct test: the
+# project's profile turns both off. A test's own ``@settings`` still overrides what it names.
+settings.register_profile("straw", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("straw")
 
 #: Bound on how long a directory created through A may take to show up through B.
 _POOL_VISIBILITY_TIMEOUT_S = 10.0

@@ -27,9 +27,9 @@ MakeConfig = Callable[..., RolloutConfig]
 
 
 def prompt_tasks(controller: QueueController) -> list[str]:
-    return sorted(
-        (t for t in controller.queue.tasks if t.startswith("prompt:")), key=lambda t: int(t.split(":")[1])
-    )
+    """The fresh prompt tasks (``prompt:<group index>``), by group index."""
+    fresh = (t for t in controller.queue.tasks if t.startswith("prompt:") and t[len("prompt:") :].isdigit())
+    return sorted(fresh, key=lambda t: int(t[len("prompt:") :]))
 
 
 # --------------------------------------------------------------------------- scenario 15

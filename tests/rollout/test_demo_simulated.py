@@ -50,7 +50,9 @@ def test_concurrency_is_bounded_per_engine() -> None:
 
 def test_abort_keeps_a_partial_that_continues_to_the_same_tokens() -> None:
     async def main() -> None:
-        engine = SimulatedEngine(latency=1.0, response_length=8, reward=lambda s: float(s.response_length))
+        # The abort comes at a quarter of the latency: only a stall of the loop longer than the
+        # rest (1.5 s) could let the generation finish first.
+        engine = SimulatedEngine(latency=2.0, response_length=8, reward=lambda s: float(s.response_length))
         loop = asyncio.get_running_loop()
         loop.call_later(0.5, engine.abort)
         partial = await engine(group(2), weight_version="1")
@@ -59,7 +61,7 @@ def test_abort_keeps_a_partial_that_continues_to_the_same_tokens() -> None:
         assert 0 < have < 8 and all(s.response_length == have for s in partial)
         started = loop.time()
         done = await engine(partial, weight_version="2")
-        assert loop.time() - started >= 0.9 * (8 - have) / 8
+        assert loop.time() - started >= 0.9 * 2.0 * (8 - have) / 8
         whole = await SimulatedEngine(latency=0.01, response_length=8)(group(2), weight_version="2")
         assert [s.tokens for s in done] == [s.tokens for s in whole]
         assert all(s.weight_versions == ["1", "2"] and s.reward == 8.0 for s in done)

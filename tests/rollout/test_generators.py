@@ -343,10 +343,12 @@ def test_malformed_json_is_a_protocol_error_and_not_retried(make) -> None:
 def test_timeouts_retry_then_fail_and_the_server_drops_the_requests() -> None:
     async def scenario(server: PolicyServer) -> None:
         server.park_at(0)  # never generate anything
-        options = EngineOptions(request_timeout=0.3, max_retries=1, retry_backoff=0.01)
+        # A timeout long enough that the parked server has recorded each request before it ends,
+        # even on a loaded machine (client and server share this event loop).
+        options = EngineOptions(request_timeout=1.0, max_retries=1, retry_backoff=0.01)
         generator = sglang(server.url, options=options)
         samples = group(1)
-        with pytest.raises(EngineTimeout, match=r"did not answer within 0.3s \(2 attempts\)"):
+        with pytest.raises(EngineTimeout, match=r"did not answer within 1.0s \(2 attempts\)"):
             await generator(samples, weight_version=None)
         assert len(server.seen) == 2 and samples[0].tokens == []
         await server.wait_idle()

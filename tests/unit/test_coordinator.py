@@ -1077,8 +1077,11 @@ def test_j5_snapshots_bound_what_recovery_replays(make: Any, monkeypatch: pytest
         coord.submit_tasks(f"r{i}", [TaskSpec(f"t{i}")])
         leases[i] = take(coord, f"t{i}")
         receipts[i] = finish(coord, leases[i], f"s{i}")
+        # Snapshots run in the background (J5), one at a time: waiting for each makes the next
+        # call start another, whatever the machine's load.
+        assert coord._await_snapshot() is None
     coord.submit_tasks("tail", [TaskSpec("tail")])
-    assert coord._await_snapshot() is None  # snapshots run in the background (J5)
+    assert coord._await_snapshot() is None
     snapshots = coord.metrics()["journal"]["snapshots"]
     assert snapshots >= 3
     snap_dir = Path(coord.directory) / "snap"
