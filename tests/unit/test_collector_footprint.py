@@ -176,16 +176,18 @@ def test_remembered_answers_are_untracked_rows_rebuilt_equal(store: SharedFilesy
 def test_a_validating_reader_keeps_shared_indexes_out_of_its_own_cache(
     store: SharedFilesystemStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(reader, "SHARED_INDEX_ENTRIES_MAX", 40)
-    batches = [_batch(store, f"b{n}") for n in range(6)]  # 16 entries per frame
     shared = reader.SHARED_INDEXES._items._items
-    assert shared._total == 32  # the two newest frames
+    batches = [_batch(store, "b0")]  # 16 entries per frame
+    frame_bytes = shared._total
+    monkeypatch.setattr(reader, "SHARED_INDEX_BYTES_MAX", 2 * frame_bytes + frame_bytes // 2)
+    batches += [_batch(store, f"b{n}") for n in range(1, 6)]  # frames of the same size
+    assert shared._total == 2 * frame_bytes  # the two newest frames
     for refs in batches[-2:]:
         store.reach(refs)
     validator = store._session(shared=True)._reader
     assert validator._indexes._total == 0  # served from the shared cache, not copied
     store.reach(batches[0])  # evicted there: read back, kept by this reader (and shared again)
-    assert validator._indexes._total == 16 and shared._total == 32
+    assert validator._indexes._total == 16 and shared._total == 2 * frame_bytes
 
 
 def _receipt(position: int) -> dict[str, Any]:

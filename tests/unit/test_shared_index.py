@@ -116,13 +116,35 @@ def test_metadata_is_shared_in_its_stored_form(tmp_path: Path, extra: object, st
 
 
 def test_the_shared_cache_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader, "SHARED_INDEX_ENTRIES_MAX", 10)
     writer = SharedFilesystemStore(tmp_path, "run")
-    refs = [writer.publish([Record("r", b"x")], submission_id=f"s{i}") for i in range(12)]
+    first = writer.publish([Record("r", b"x")], submission_id="s0")
+    shared = reader.SHARED_INDEXES._items._items
+    frame_bytes = shared._total  # one record and its manifest, as the bound counts them
+    assert frame_bytes > 2 * 100  # bytes, not entries
+    monkeypatch.setattr(reader, "SHARED_INDEX_BYTES_MAX", 5 * frame_bytes + frame_bytes // 2)
+    refs = [first] + [writer.publish([Record("r", b"x")], submission_id=f"s{i}") for i in range(1, 12)]
     kept = [ref for ref in refs if reader.SHARED_INDEXES.get(ref.manifest.segment) is not None]
-    assert kept == refs[-5:]  # the oldest go first: each frame holds a record and a manifest
-    # Counted in entries, not frames: one frame of 64 publications leaves room for no other.
+    assert kept == refs[-5:]  # the oldest go first
+    assert shared._total == 5 * frame_bytes
+    # Counted in bytes, not frames: one frame of 64 publications leaves room for no other.
     many = writer.publish_many([Publication((Record("r", b"y"),)) for _ in range(64)], submission_id="many")
     assert reader.SHARED_INDEXES.get(many[0].manifest.segment) is not None  # the newest stays
     assert all(reader.SHARED_INDEXES.get(ref.manifest.segment) is None for ref in refs)
+    writer.close()
+
+
+def test_small_entries_weigh_less_than_large_ones(tmp_path: Path) -> None:
+    """The bound is the rows' estimated bytes: a frame whose entries carry more metadata weighs
+    more, so a cache of small entries holds more of them."""
+    writer = SharedFilesystemStore(tmp_path, "run")
+    shared = reader.SHARED_INDEXES._items._items
+    small = writer.publish_many([Publication((Record(f"g{i}", b"x"),)) for i in range(8)], submission_id="a")
+    small_bytes = shared._total
+    assert reader.SHARED_INDEXES.get(small[0].manifest.segment) is not None
+    metadata = {"task_id": "t" * 40, "attempt_id": "a" * 32, "notes": ["x" * 100]}
+    writer.publish_many(
+        [Publication((Record(f"g{i}", b"x", metadata=metadata),)) for i in range(8)], submission_id="b"
+    )
+    large_bytes = shared._total - small_bytes
+    assert large_bytes > small_bytes + 8 * (40 + 32 + 100)  # at least the metadata's characters
     writer.close()

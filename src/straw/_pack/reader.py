@@ -13,6 +13,7 @@ import mmap
 import operator
 import os
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -31,7 +32,7 @@ from ..limits import (
     OPEN_PACKS_MAX,
     PACK_BYTES_MAX,
     READ_MAPPING_BYTES_MIN,
-    SHARED_INDEX_ENTRIES_MAX,
+    SHARED_INDEX_BYTES_MAX,
     WRITERS_CACHED_MAX,
 )
 from ..protocol import CHECKSUM_ALGORITHM, SEGMENT_FIELDS, SegmentRef, encode, unchecked
@@ -136,12 +137,29 @@ def segment_of_key(key: _SegmentKey) -> SegmentRef:
     return unchecked(SegmentRef, dict(zip(SEGMENT_FIELDS, key, strict=True)))
 
 
+def _row_bytes(row: frame.Row) -> int:
+    """A row's size as ``sys.getsizeof`` counts it: the tuple and each of its items (an item
+    shared with other rows counts in each)."""
+    return sys.getsizeof(row) + sum(map(sys.getsizeof, row))
+
+
+def _kept_bytes(kept: _IndexRow) -> int:
+    """What a kept index frame weighs in SHARED_INDEX_BYTES_MAX: its rows times the mean size
+    of its first and last one (a frame's rows are alike: its records, then its manifests), so
+    weighing a frame of thousands of entries costs two rows' worth of work."""
+    count = len(kept) - 2
+    if count <= 0:
+        return 1
+    return max(1, count * (_row_bytes(kept[2]) + _row_bytes(kept[-1])) // 2)
+
+
 class SharedIndexes:
     """A :class:`SharedMemo` of parsed index frames by SegmentRef, kept as plain tuples (an
-    :class:`frame.Index` is rebuilt on each ``get``, sharing the row tuples)."""
+    :class:`frame.Index` is rebuilt on each ``get``, sharing the row tuples), bounded in
+    their estimated bytes."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
-        self._items: SharedMemo[_SegmentKey, _IndexRow] = SharedMemo(limit, lambda row: max(1, len(row) - 2))
+        self._items: SharedMemo[_SegmentKey, _IndexRow] = SharedMemo(limit, _kept_bytes)
 
     def get(self, segment: SegmentRef) -> frame.Index | None:
         found = self._items.get(segment_key(segment))
@@ -170,7 +188,7 @@ class SharedIndexes:
 #: bytes for every store of the process. A coordinator validating a result that a worker
 #: thread of the same process published then skips re-reading and re-parsing it. Only
 #: readers made with ``shared=True`` consult it (validation, which returns no bytes).
-SHARED_INDEXES = SharedIndexes(lambda: SHARED_INDEX_ENTRIES_MAX)
+SHARED_INDEXES = SharedIndexes(lambda: SHARED_INDEX_BYTES_MAX)
 
 
 def remember_written(segment: SegmentRef, submission_id: str, rows: Sequence[frame.Row]) -> None:
