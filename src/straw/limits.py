@@ -137,11 +137,12 @@ OPEN_PACKS_MAX = 64
 INDEX_CACHE_ENTRIES_MAX = 16384
 
 #: Bytes of the index frames shared by every reader of the process (``reader.SHARED_INDEXES``:
-#: what its stores wrote or verified), as ``sys.getsizeof`` counts a kept frame's rows and their
-#: items, estimated from its first and last rows. Bounded in bytes, not entries: ten thousand
-#: publications of one small record (20k entries, about 10 MB by that count) fit, so validating
-#: them again in the order they were written re-reads no frame, while entries with more metadata
-#: count for what they hold (some 19k result entries of a task and an attempt id each).
+#: what its stores wrote or verified), as CPython's object sizes count a kept frame's rows and
+#: their items (by their lengths), estimated from its first and last rows. Bounded in bytes, not
+#: entries: ten thousand publications of one small record (20k entries, about 11 MB by that
+#: count) fit, so validating them again in the order they were written re-reads no frame, while
+#: entries with more metadata count for what they hold (some 18k result entries of a task and
+#: an attempt id each).
 SHARED_INDEX_BYTES_MAX = 12 * MiB
 
 #: Record sets a read session remembers having verified (each verified once per session).

@@ -13,6 +13,7 @@ import enum
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from straw import Publication, Record, RecordSetRef, SharedFilesystemStore
@@ -147,4 +148,25 @@ def test_small_entries_weigh_less_than_large_ones(tmp_path: Path) -> None:
     )
     large_bytes = shared._total - small_bytes
     assert large_bytes > small_bytes + 8 * (40 + 32 + 100)  # at least the metadata's characters
+    writer.close()
+
+
+def test_a_frame_weighs_the_same_when_it_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound's running total stays exact: a frame's weight depends on its rows' lengths,
+    not on what Python has cached in them since (a non-ASCII string grows by its UTF-8 form
+    once an encoder asks for it), or the total would drift and the bound with it."""
+    writer = SharedFilesystemStore(tmp_path, "run")
+    shared = reader.SHARED_INDEXES._items._items
+    metadata = {"task_id": "t-\u00e9t\u00e9", "note": "\u65e5\u672c\u8a9e" * 20}
+    ref = writer.publish([Record("r\u00e9sultat", b"x", metadata=metadata)], submission_id="s")
+    kept = next(iter(shared._items.values()))
+    weight = shared._total
+    for item in (x for row in kept[2:] for x in row if type(x) is str):
+        orjson.dumps(item)  # gives the string its cached UTF-8 form
+    assert reader._kept_bytes(kept) == weight
+    monkeypatch.setattr(reader, "SHARED_INDEX_BYTES_MAX", 1)  # each put leaves the newest only
+    others = [writer.publish([Record("o", b"y")], submission_id=f"o{i}") for i in range(3)]
+    assert reader.SHARED_INDEXES.get(ref.manifest.segment) is None
+    assert shared._total == sum(reader._kept_bytes(v) for v in shared._items.values()) > 0
+    assert reader.SHARED_INDEXES.get(others[-1].manifest.segment) is not None
     writer.close()
