@@ -143,7 +143,7 @@ INDEX_CACHE_ENTRIES_MAX = 16384
 #: count) fit, so validating them again in the order they were written re-reads no frame, while
 #: entries with more metadata count for what they hold (some 18k result entries of a task and
 #: an attempt id each). A frame whose middle rows are larger than its first and last is counted
-#: low; even then no row counts under 450 bytes, so at worst this bounds some 28k entries.
+#: low; even then no row counts under 440 bytes, so at worst this bounds some 28k entries.
 SHARED_INDEX_BYTES_MAX = 12 * MiB
 
 #: Record sets a read session remembers having verified (each verified once per session).
