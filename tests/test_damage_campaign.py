@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,9 +170,13 @@ class Case:
     at: int = 0  # byte position for truncate/flip (region start for packs)
     length: int = 0  # region length (packs)
 
+    #: The path with its random writer and pack names replaced by what they hold (_labels), so
+    #: a case's id names the same damage in every run.
+    label: str = ""
+
     @property
     def id(self) -> str:
-        return f"{self.kind}:{self.op}@{self.at}:{self.path}"
+        return f"{self.kind}:{self.op}@{self.at}:{self.label or self.path}"
 
 
 def _log_frames(data: bytes) -> list[tuple[int, int]]:
@@ -196,12 +202,48 @@ def _pack_regions(root: Path, relative: str) -> list[tuple[str, int, int]]:
     return out
 
 
+_SUBMISSION = re.compile(rb'"sub":("(?:[^"\\]|\\.)*")')
+
+
+def _first_submission(root: Path, relative: str) -> str:
+    """The submission id of a pack's first extent (what its writer wrote first), random ids
+    left out."""
+    extents = scan_pack(str(root / relative), relative).extents
+    if not extents:
+        return "empty"
+    first = extents[0]
+    found = _SUBMISSION.search(
+        (root / relative).read_bytes()[first.index_offset : first.index_offset + first.index_size]
+    )
+    # (a result's submission names its attempt, a random id: that part is not the build's)
+    return re.sub(r"[0-9a-f]{16,}", "*", str(json.loads(found.group(1)))) if found else "unnamed"
+
+
+def _labels(root: Path) -> dict[str, str]:
+    """A stable name for each writer directory's pack and LIVE file: a pack is named by its
+    first submission, a writer by its packs' first submission in order (writer and pack names
+    are random; what they hold is the build's)."""
+    labels: dict[str, str] = {}
+    for writer in (root / "raw").iterdir():
+        packs = {
+            str(p.relative_to(root)): _first_submission(root, str(p.relative_to(root)))
+            for p in [*writer.glob("*.pack"), *writer.glob("*.seg")]
+        }
+        name = f"w[{min(packs.values(), default='none')}]"
+        labels[str((writer / "LIVE").relative_to(root))] = f"raw/{name}/LIVE"
+        for path, first in packs.items():
+            labels[path] = f"raw/{name}/p[{first}]{os.path.splitext(path)[1]}"
+    assert len(set(labels.values())) == len(labels), f"two files of the pool got one label: {labels}"
+    return labels
+
+
 def cases(root: Path, full: bool) -> list[Case]:
     out: list[Case] = []
+    labels = _labels(root)
     files = ["straw-pool.json", "catalog/log", "catalog/snapshot", "queue/queue.json"]
     files += sorted(str(p.relative_to(root)) for p in (root / "queue").glob("*/*.wal"))
     files += sorted(str(p.relative_to(root)) for p in (root / "queue").glob("*/*.snap"))
-    files += sorted(str(p.relative_to(root)) for p in root.glob("raw/*/LIVE"))
+    files += sorted((str(p.relative_to(root)) for p in root.glob("raw/*/LIVE")), key=labels.__getitem__)
     newest = files[4 + len(list((root / "queue").glob("*/*.wal"))) - 1]
     if not full:  # the sample: one LIVE file stands for all of them
         lives = [f for f in files if f.endswith("/LIVE")]
@@ -211,29 +253,34 @@ def cases(root: Path, full: bool) -> list[Case]:
         data = (root / path).read_bytes()
         for op in OPS:
             for at in _positions(kind, op, data, full):
-                out.append(Case(kind, path, op, at))
-    packs = sorted(str(p.relative_to(root)) for p in [*root.glob("raw/*/*.pack"), *root.glob("raw/*/*.seg")])
+                out.append(Case(kind, path, op, at, label=labels.get(path, "")))
+    packs = sorted(
+        (str(p.relative_to(root)) for p in [*root.glob("raw/*/*.pack"), *root.glob("raw/*/*.seg")]),
+        key=labels.__getitem__,
+    )
     for pack in packs if full else _one_of_each(root, packs):
+        label = labels[pack]
         regions = _pack_regions(root, pack)
         if not full:  # the sample: a pack's first index frame stands for all of them
             indexes = [r for r in regions if r[0] == "pack-index"]
             regions = [r for r in regions if r[0] != "pack-index"] + indexes[:1]
-        out.append(Case("pack", pack, "delete"))
-        out.append(Case("pack", pack, "symlink"))
+        out.append(Case("pack", pack, "delete", label=label))
+        out.append(Case("pack", pack, "symlink", label=label))
         for kind, start, length in regions:
             spots = [start, start + length // 2, start + length - 1] if full else [start + length // 2]
-            out += [Case(kind, pack, "flip", spot, length) for spot in spots]
-            out.append(Case(kind, pack, "truncate", start + (length // 2 if full else 0), length))
+            out += [Case(kind, pack, "flip", spot, length, label) for spot in spots]
+            out.append(Case(kind, pack, "truncate", start + (length // 2 if full else 0), length, label))
     return out
 
 
 def _one_of_each(root: Path, packs: list[str]) -> list[str]:
-    """The sample's packs: one sealed pack, one unsealed (its writer died), one standalone segment."""
+    """The sample's packs: one sealed pack, one unsealed (its writer died), one standalone segment;
+    the first of each kind in ``packs``' order (by label: the same ones in every run)."""
     chosen: dict[tuple[bool, bool], str] = {}
     for pack in packs:
         sealed = scan_pack(str(root / pack), pack).sealed
         chosen.setdefault((pack.endswith(".seg"), sealed), pack)
-    return sorted(chosen.values())
+    return list(chosen.values())
 
 
 def _kind(path: str, newest: str) -> str:
