@@ -50,6 +50,13 @@ def plain_group(index: int, size: int = 1) -> list[Sample]:
     return [Sample(index=index + i, group_index=index) for i in range(size)]
 
 
+def fresh_group_index(task_id: str) -> int | None:
+    """The group index of a fresh prompt task (``prompt:<group index>``), None for any other id:
+    continuations and collections hold more fields, some of them all digits by chance."""
+    rest = task_id.removeprefix("prompt:")
+    return int(rest) if rest != task_id and rest.isdigit() else None
+
+
 def representatives(queue: Coordinator) -> tuple[int, dict[int, int]]:
     """The producer's next group index, and per group index its live representatives.
 
@@ -70,11 +77,7 @@ def representatives(queue: Coordinator) -> tuple[int, dict[int, int]]:
     for commit in queue.commits:
         if commit["task_id"].startswith("prompt:") and commit["position"] not in replaced:
             count[tasks[commit["task_id"]]["spec"]["metadata"]["group_index"]] += 1
-    # A fresh prompt task is ``prompt:<group index>``; other ids (``collection:<incarnation>:..``)
-    # may hold an all-digit field too, so the prefix is checked first.
-    fresh = sorted(
-        int(t[len("prompt:") :]) for t in tasks if t.startswith("prompt:") and t[len("prompt:") :].isdigit()
-    )
+    fresh = sorted(index for index in map(fresh_group_index, tasks) if index is not None)
     issued = int(queue.producer_state("dataset")["cursor"]["sample_group_index"])
     assert fresh == list(range(issued)), (
         f"fresh prompt tasks are exactly the groups the cursor issued: {fresh} vs {issued}"

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -202,9 +201,6 @@ def _pack_regions(root: Path, relative: str) -> list[tuple[str, int, int]]:
     return out
 
 
-_SUBMISSION = re.compile(rb'"sub":("(?:[^"\\]|\\.)*")')
-
-
 def _first_submission(root: Path, relative: str) -> str:
     """The submission id of a pack's first extent (what its writer wrote first), random ids
     left out."""
@@ -212,11 +208,10 @@ def _first_submission(root: Path, relative: str) -> str:
     if not extents:
         return "empty"
     first = extents[0]
-    found = _SUBMISSION.search(
-        (root / relative).read_bytes()[first.index_offset : first.index_offset + first.index_size]
-    )
+    data = (root / relative).read_bytes()[first.index_offset : first.index_offset + first.index_size]
+    submission = str(pframe.decode_json_frame(data, pframe.KIND_INDEX, None)["sub"])
     # (a result's submission names its attempt, a random id: that part is not the build's)
-    return re.sub(r"[0-9a-f]{16,}", "*", str(json.loads(found.group(1)))) if found else "unnamed"
+    return re.sub(r"[0-9a-f]{16,}", "*", submission)
 
 
 def _labels(root: Path) -> dict[str, str]:

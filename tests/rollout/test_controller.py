@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from queue_helpers import Clock
-from rollout_helpers import finish, group_indices, interrupt, prompt_rows
+from rollout_helpers import finish, fresh_group_index, group_indices, interrupt, prompt_rows
 from straw.coordinator import Coordinator
 from straw.errors import LeaseExpired, StaleAttempt
 from straw.protocol import CommitReceipt, Lease, RecordSetRef, TaskSpec, decode
@@ -28,8 +28,8 @@ MakeConfig = Callable[..., RolloutConfig]
 
 def prompt_tasks(controller: QueueController) -> list[str]:
     """The fresh prompt tasks (``prompt:<group index>``), by group index."""
-    fresh = (t for t in controller.queue.tasks if t.startswith("prompt:") and t[len("prompt:") :].isdigit())
-    return sorted(fresh, key=lambda t: int(t[len("prompt:") :]))
+    indexes = (fresh_group_index(t) for t in controller.queue.tasks)
+    return [f"prompt:{index}" for index in sorted(i for i in indexes if i is not None)]
 
 
 # --------------------------------------------------------------------------- scenario 15

@@ -62,10 +62,9 @@ class Bounded(Generic[K, V]):
         self._limit = limit
         self._weight = weight
         self._items: OrderedDict[K, V] = OrderedDict()
+        #: Each item's weight as it was when it came (weighed once: what leaves is what came).
+        self._weights: dict[K, int] = {}
         self._total = 0
-
-    def _weigh(self, value: V) -> int:
-        return self._weight(value) if self._weight is not None else 1
 
     def get(self, key: K, *, touch: bool = False) -> V | None:
         found = self._items.get(key)
@@ -77,19 +76,24 @@ class Bounded(Generic[K, V]):
         self.put_all(((key, value),))
 
     def put_all(self, items: Iterable[tuple[K, V]]) -> None:
+        weights, weight = self._weights, self._weight
         for key, value in items:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._total -= self._weigh(old)
+            if self._items.pop(key, None) is not None:
+                self._total -= weights.pop(key, 1)
             self._items[key] = value
-            self._total += self._weigh(value)
+            if weight is None:
+                self._total += 1  # (unweighted items keep no entry in ``weights``)
+            else:
+                weights[key] = weighed = weight(value)
+                self._total += weighed
         limit = self._limit()
         while self._total > limit and len(self._items) > 1:
-            _, dropped = self._items.popitem(last=False)
-            self._total -= self._weigh(dropped)
+            dropped, _ = self._items.popitem(last=False)
+            self._total -= weights.pop(dropped, 1)
 
     def clear(self) -> None:
         self._items.clear()
+        self._weights.clear()
         self._total = 0
 
 
@@ -139,8 +143,8 @@ def segment_of_key(key: _SegmentKey) -> SegmentRef:
 def _row_bytes(row: frame.Row) -> int:
     """About what a row takes in memory (CPython's object sizes): the tuple and each of its
     items, an item shared with other rows counted in each. A function of the row's lengths
-    only, so a frame weighs the same when it leaves as when it came (``sys.getsizeof`` of a
-    string grows once its UTF-8 form has been asked for)."""
+    only, so a frame weighs the same whenever it is weighed (``sys.getsizeof`` of a string
+    grows once its UTF-8 form has been asked for)."""
     size = 56 + 8 * len(row)
     for item in row:
         kind = type(item)
@@ -160,7 +164,7 @@ def _kept_bytes(kept: _IndexRow) -> int:
     count = len(kept) - 2
     if count <= 0:
         return 1
-    return max(1, count * (_row_bytes(kept[2]) + _row_bytes(kept[-1])) // 2)
+    return count * (_row_bytes(kept[2]) + _row_bytes(kept[-1])) // 2
 
 
 class SharedIndexes:
