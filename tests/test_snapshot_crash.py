@@ -33,7 +33,9 @@ pytestmark = pytest.mark.crash
 RUN = "run-snapshot-crash"
 OWNER = "snapshot-crash"
 HERE = Path(__file__).resolve()
-TASKS = 40
+#: Far more than the child works before the third arrival at a phase (about 30 tasks here), so
+#: a slow snapshot thread on a loaded machine still meets its phase before the work runs out.
+TASKS = 200
 #: The occurrence of the phase that kills the child (earlier snapshots have finished by then).
 NTH = 3
 PHASES = (
@@ -74,7 +76,7 @@ def child(root: str, phase: str) -> None:
 def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: Path, phase: str) -> None:
     root = str(tmp_path)
     with SharedFilesystemStore(root, RUN) as store, Coordinator(store, exclusive_owner=OWNER) as coord:
-        coord.submit_tasks("tasks", [TaskSpec(f"t{i:02d}") for i in range(TASKS)])
+        coord.submit_tasks("tasks", [TaskSpec(f"t{i:03d}") for i in range(TASKS)])
     process = child_io.start(HERE, root, phase)
     printed: list[CommitReceipt] = []
     retries: list[tuple[Lease, RecordSetRef]] = []
@@ -104,15 +106,15 @@ def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: P
             pass
         commits = coord.commits
         assert [c["position"] for c in commits] == list(range(TASKS))
-        assert sorted(c["task_id"] for c in commits) == [f"t{i:02d}" for i in range(TASKS)]
+        assert sorted(c["task_id"] for c in commits) == [f"t{i:03d}" for i in range(TASKS)]
     # A clean reopen after the clean close: the files the kill left were tidied or reused.
     with (
         SharedFilesystemStore(root, RUN) as store,
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,
     ):
         assert len(coord.commits) == TASKS
-        assert sorted(c["task_id"] for c in coord.commits) == [f"t{i:02d}" for i in range(TASKS)]
-        assert all(coord.task_status(f"t{i:02d}")["state"] == "completed" for i in range(TASKS))
+        assert sorted(c["task_id"] for c in coord.commits) == [f"t{i:03d}" for i in range(TASKS)]
+        assert all(coord.task_status(f"t{i:03d}")["state"] == "completed" for i in range(TASKS))
         # Every history file left is one the newest snapshot names (orphans of the kill pruned
         # by a later snapshot, or left for the next one: never one a snapshot still needs).
         named = coord._state.history.names()
