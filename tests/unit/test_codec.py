@@ -461,6 +461,18 @@ def test_an_unknown_schema_version_is_unsupported(tmp_path: Path) -> None:
         ({"v": 1, "root": {"t": "payload", "d": 0}}, "names dependency 0"),
         ({"v": 1, "root": {"t": "bytes", "b64": "@@@"}}, "malformed 'bytes' node"),
         ({"v": 1, "root": {"t": "dict", "items": [[[1], 2]]}}, "malformed 'dict' node"),
+        *(
+            ({"v": 1, "root": {"t": "dataclass", "cls": f"{__name__}:Sample", **parts}}, message)
+            for parts, message in (
+                ({"fields": [{"tokens": [7]}], "attrs": []}, "a field is a \\[name, node\\] pair, got dict"),
+                ({"fields": ["to"], "attrs": []}, "a field is a \\[name, node\\] pair, got str"),
+                ({"fields": [["tokens", [7], 1]], "attrs": []}, "a list of another length"),
+                ({"fields": [[1, [7]]], "attrs": []}, "expected a string, got int"),
+                ({"fields": [["tokens", [7]]], "attrs": [["tokens", [8]]]}, "named twice"),
+                ({"fields": [["tokens", [7]]], "attrs": {}}, "expected a JSON array, got dict"),
+                ({"cls": 3, "fields": [], "attrs": []}, "expected a string, got int"),
+            )
+        ),
     ],
 )
 def test_malformed_documents_are_corrupt(store: SharedFilesystemStore, document: Any, message: str) -> None:

@@ -232,9 +232,18 @@ class _Allowed(Mapping[str, type]):
         self._resolved = imported
 
     def __getitem__(self, name: str) -> type:
+        found = self.get(name)
+        if found is None:
+            raise KeyError(name)  # not named
+        return found
+
+    def get(self, name: str, default: Any = None) -> Any:  # (Mapping's own goes through a raise)
         found = self._resolved.get(name)
         if found is None:
-            found = self._resolved[name] = _live(name, self._registered[name])  # KeyError: not named
+            known = self._registered.get(name)
+            if known is None:
+                return default
+            found = self._resolved[name] = _live(name, known)
         return found
 
     def __iter__(self) -> Iterator[str]:
@@ -819,9 +828,16 @@ class _Reader:
         self.classes = classes
         self.root_fields = root_fields
         self.memo: dict[tuple[str, int, int], Any] = {}
+        self.resolved: dict[str, type] = {}  # this load's answers of resolve()
 
     def resolve(self, name: str) -> type:
         """The class a document names, from the allowlist only (nothing is imported here)."""
+        found = self.resolved.get(name)
+        if found is None:
+            found = self.resolved[name] = self._resolve(name)
+        return found
+
+    def _resolve(self, name: str) -> type:
         if self.classes is not None:
             found = self.classes.get(name)
         else:
@@ -982,6 +998,10 @@ def _enum(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     if not issubclass(cls, enum.Enum):
         raise UnsupportedSchema(f"{node['cls']} is not an Enum")
     value = reader.node(node["v"], depth)
+    if type(value) is str or type(value) is int:  # most members: found by value without a call
+        member = cls._value2member_map_.get(value)
+        if member is not None:
+            return member
     try:
         return cls(value)
     except ValueError:
@@ -1018,31 +1038,65 @@ def _descriptors(cls: type) -> frozenset[str]:
     return found
 
 
+#: Per dataclass: its field names, as a set (a node naming all of them needs no defaults).
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _field_names(cls: type) -> frozenset[str] | None:
+    """The field names of ``cls``, or None when it is not a dataclass."""
+    found = _FIELD_NAMES.get(cls)
+    if found is None:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        found = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return found
+
+
+def _pairs(pairs: list[Any]) -> dict[str, Any]:
+    """A dataclass node's ``[name, node]`` pairs as a dict (built in one C call), each name once."""
+    if not set(map(type, pairs)) <= _LIST_ONLY:
+        kind = next(type(pair) for pair in pairs if type(pair) is not list)
+        raise TypeError(f"a field is a [name, node] pair, got {kind.__name__}")
+    try:
+        values = dict(pairs)
+    except ValueError:  # a pair of another length
+        raise TypeError("a field is a [name, node] pair, got a list of another length") from None
+    if not set(map(type, values)) <= _STR_ONLY:
+        kind = next(type(key) for key in values if type(key) is not str)
+        raise TypeError(f"expected a string, got {kind.__name__}")
+    if len(values) != len(pairs):
+        raise TypeError("a field or attribute is named twice")
+    return values
+
+
+_LIST_ONLY = frozenset({list})
+_STR_ONLY = frozenset({str})
+
+
 def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
-    name = _text(node["cls"])
+    name = node["cls"]
+    if type(name) is not str:
+        raise TypeError(f"expected a string, got {type(name).__name__}")
     cls = reader.resolve(name)
-    if not dataclasses.is_dataclass(cls):
+    names = _field_names(cls)
+    if names is None:
         raise UnsupportedSchema(f"{name} is not a dataclass")
     try:
         obj = object.__new__(cls)
     except TypeError as error:
         raise UnsupportedSchema(f"cannot rebuild {name} without calling it: {error}") from None
-    values: dict[str, Any] = {}
-    # (A field at the nesting limit still goes through node(), which refuses it.)
-    scalars = _PLAIN_TYPES if depth <= NESTING_DEPTH_MAX else frozenset()
-    for pair in _list(node["fields"]) + _list(node["attrs"]):
-        if type(pair) is not list or len(pair) != 2:
-            raise TypeError(f"a field is a [name, node] pair, got {type(pair).__name__}")
-        key, value = pair
-        if type(key) is not str:
-            raise TypeError(f"expected a string, got {type(key).__name__}")
-        kind = type(value)
-        # A list of scalars (token ids, log-probs) is node()'s answer for itself, too.
-        if kind in scalars or (kind is list and scalars and _plain(value)):
-            values[key] = value
-        else:
+    values = _pairs(_list(node["fields"]) + _list(node["attrs"]))
+    if depth <= NESTING_DEPTH_MAX:
+        for key, value in values.items():  # (values of present keys change: the size does not)
+            kind = type(value)
+            # A scalar, or a list of scalars (token ids, log-probs), is node()'s answer for itself.
+            if kind not in _PLAIN_TYPES and (kind is not list or not _plain(value)):
+                values[key] = reader.node(value, depth)
+    else:  # a field at the nesting limit still goes through node(), which refuses it
+        for key, value in values.items():
             values[key] = reader.node(value, depth)
-    for field_name, default, factory in _defaults(cls):  # fields added to the class since publication
+    for field_name, default, factory in () if values.keys() >= names else _defaults(cls):
+        # (only a class that gained fields since publication has some missing)
         if field_name in values:
             continue
         if default is not dataclasses.MISSING:
