@@ -232,7 +232,7 @@ class _Allowed(Mapping[str, type]):
         self._resolved = imported
 
     def __getitem__(self, name: str) -> type:
-        found = self.get(name)
+        found: type | None = self.get(name)
         if found is None:
             raise KeyError(name)  # not named
         return found
@@ -1082,7 +1082,7 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     if names is None:
         raise UnsupportedSchema(f"{name} is not a dataclass")
     try:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
     except TypeError as error:
         raise UnsupportedSchema(f"cannot rebuild {name} without calling it: {error}") from None
     values = _pairs(_list(node["fields"]) + _list(node["attrs"]))
