@@ -3,7 +3,8 @@
 The child works tasks one by one with a snapshot due after every call (so snapshots run
 back to back in their thread while the calls go on) and prints each receipt, flushed. Its
 fault hook sends the process ``SIGKILL`` the third time the snapshot thread reaches one
-phase: before or after the segment switch, before or after the snapshot's own file. The
+phase: before or after the segment switch or between its new segment and the old one's
+cut, before or after the snapshot's own file. The
 parent recovers the queue and finds every printed receipt at its position (I8), the
 recovered journal well formed (I21: no lost segment, no cut tail), and the remaining work
 completes once.
@@ -25,6 +26,7 @@ import child_io
 import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
+from straw._journal import frame as jframe
 from straw.backend import FilesystemBackend
 from straw.protocol import CommitReceipt, Lease, RecordSetRef, as_dict
 
@@ -40,6 +42,7 @@ TASKS = 200
 NTH = 3
 PHASES = (
     "before_segment_switch",
+    "before_segment_cut",
     "after_segment_switch",
     "before_history_write",
     "after_history_write",
@@ -47,6 +50,15 @@ PHASES = (
     "after_snapshot_write",
     "before_history_prune",
 )
+
+
+def frames_end(data: bytes) -> int:
+    """Where the last valid frame of a journal segment ends."""
+    header = jframe.decode_segment_header(data, jframe.SEGMENT_MAGIC)
+    at, seq, chain = jframe.SEGMENT_HEADER_BYTES, header.first_seq - 1, header.chain_in
+    while (found := jframe.classify(data, at, seq + 1, chain).frame) is not None:
+        at, seq, chain = found.end, found.seq, found.chain
+    return at
 
 
 def child(root: str, phase: str) -> None:
@@ -106,6 +118,13 @@ def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: P
             pass
         commits = coord.commits
         assert [c["position"] for c in commits] == list(range(TASKS))
+        # J4.4: only the newest segment ends in zeros; each older one ends at its last frame,
+        # so that losing the newest could never make an older one pass for it (J7).
+        wal = os.path.join(coord.directory, "wal")
+        older = sorted(name for name in os.listdir(wal) if name.endswith(".wal"))[:-1]
+        for name in older:
+            data = Path(wal, name).read_bytes()
+            assert len(data) == frames_end(data), f"{name} is not the newest but still ends in zeros"
         assert sorted(c["task_id"] for c in commits) == [f"t{i:03d}" for i in range(TASKS)]
     # A clean reopen after the clean close: the files the kill left were tidied or reused.
     with (

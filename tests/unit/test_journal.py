@@ -369,6 +369,42 @@ def test_j7_replay_refuses_a_last_segment_cut_short_anywhere(tmp_path: Path, jou
         assert path.read_bytes() == data[:cut], cut  # fail closed: nothing cut or repaired
 
 
+def test_j4_recovery_cuts_a_segment_whose_switch_a_crash_stopped_before_its_cut(tmp_path: Path) -> None:
+    """A crash between a switch's new segment and its cut (J5.2) leaves the old segment ending in
+    zeros and the new one holding no frame. Recovery reuses the new one; it must also cut the old
+    one (J4.4): otherwise, should the new segment be lost with the frames acknowledged in it, the
+    old one would pass for the newest and recovery would go on without them. (Found by simulation
+    seed 1756: `straw check` said ok after the newest segment was deleted.)"""
+    journal = open_journal(tmp_path)
+    journal.start_segment()
+    for body in bodies(3):
+        journal.append(body)
+    journal.request_switch()
+    journal.switch()
+    journal.wait(3)
+    wal = tmp_path / "queue" / "wal"
+    old, new = sorted(wal.iterdir())
+    frames_end = old.stat().st_size  # the switch cut it at its last frame
+    journal.abandon()
+    os.truncate(old, frames_end + 4096)  # as before the cut: frames, then zeros
+    assert frame.all_zero(old.read_bytes()[frames_end:])
+
+    recovering = open_journal(tmp_path)
+    applied, collect = collector()
+    recovering.replay(collect, ignore)
+    assert [seq for seq, _ in applied] == [1, 2, 3]
+    recovering.start_segment()
+    assert recovering.segment_path == str(new)  # the frameless segment is reused
+    assert old.stat().st_size == frames_end  # and the one before it ends at its last frame again
+    recovering.wait(recovering.append(b"acknowledged-after-recovery"))
+    recovering.abandon()
+
+    new.unlink()  # lost: the old segment now ends at a frame, which no crash leaves (J7)
+    _, collect = collector()
+    with pytest.raises(CorruptData, match="cut short"):
+        open_journal(tmp_path).replay(collect, ignore)
+
+
 def test_i11_replay_never_applies_a_bit_flip_in_the_last_frame(tmp_path: Path, journal_bytes: Any) -> None:
     path, data, last, items = journal_bytes
     end = len(data) - LOG_CLOSE_ZEROS

@@ -166,7 +166,13 @@ def _trigger(coord: Coordinator) -> BaseException | None:
 
 @pytest.mark.parametrize(
     "phase",
-    ["before_segment_switch", "after_segment_switch", "before_snapshot_write", "after_snapshot_write"],
+    [
+        "before_segment_switch",
+        "before_segment_cut",
+        "after_segment_switch",
+        "before_snapshot_write",
+        "after_snapshot_write",
+    ],
 )
 @pytest.mark.timeout(60)
 def test_j5_a_fault_at_each_snapshot_phase_loses_nothing_acknowledged(
@@ -181,7 +187,7 @@ def test_j5_a_fault_at_each_snapshot_phase_loses_nothing_acknowledged(
     assert hook.fail is None, "the phase was reached"
     assert coord.metrics()["counters"]["snapshots_failed"] == 1
     assert "InjectedFault" in str(coord.metrics()["snapshot_error"])
-    if phase == "after_segment_switch":
+    if phase in ("before_segment_cut", "after_segment_switch"):
         # The next segment exists: the journal stops (J3); the call waiting for it learns so.
         assert isinstance(raised, UnsafeRecovery)
         with pytest.raises(UnsafeRecovery, match="stopped"):

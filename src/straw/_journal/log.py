@@ -103,6 +103,9 @@ class Journal:
         #: The last segment a replay walked and the end of its frames: cut there once the next
         #: segment exists, so it never again looks like a newest segment (J7).
         self._replayed_end: tuple[str, int] | None = None
+        #: Older segments a replay found still ending in zeros (a switch stopped before its cut,
+        #: J5.2), with the end of their frames: cut with the replayed one (J4.4).
+        self._uncut: list[tuple[str, int]] = []
         self.walked: scan.JournalWalk | None = None
         #: ``sleeps``: times a caller of :meth:`wait` slept (once per frame another caller's
         #: batch makes durable; more only when a batch it could lead had to wait for another).
@@ -196,6 +199,7 @@ class Journal:
                 # later power loss cannot take back what the recovered coordinator serves.
                 self._sync_path(path)
             self._replayed_end = (path, end.offset)
+        self._uncut = list(walked.uncut)
         self._next_seq = walked.last_seq + 1
         self._chain = walked.chain
         self._durable = self._written = self._covered = walked.last_seq
@@ -248,6 +252,9 @@ class Journal:
                 )
             else:
                 allocated = len(data)
+                # Its name may not be durable yet (a switch stopped inside D0): it must be before
+                # an older segment is cut behind it (J4.4).
+                self.backend.sync_dir(self.wal)
         else:
             # J1.1, J7: the segment is made visible with its zeros written ahead, in one D0, so no
             # segment is ever seen without zeros after its frames. Appends then overwrite allocated
@@ -263,14 +270,23 @@ class Journal:
         old, old_end = self._fd, self._offset
         if old >= 0 and self._allocated > old_end:
             # The previous segment ends at its last frame again (a crash before this leaves a
-            # zero tail there, which replay accepts only because this segment continues it).
+            # zero tail there, which replay accepts only because this segment continues it,
+            # and recovery cuts, J4.4).
+            self.backend.fault("before_segment_cut")
             posix.truncate(old, old_end)
             self.backend.sync_file(old)
-        elif old < 0 and self._replayed_end is not None and self._replayed_end[0] != path:
-            # The same after a recovery (J7): if this new segment were ever lost, the one
-            # before it must not pass for the newest, so it ends at its last frame from now on.
-            durable.cut_tail(*self._replayed_end, self.backend.sync_file)
+        elif old < 0:
+            # The same after a recovery (J4.4, J7): if this new segment were ever lost, no older
+            # one may pass for the newest, so each ends at its last frame from now on: the one
+            # replayed last, and any whose switch a crash stopped before its cut (J5.2; then the
+            # segment reused here, holding no frame, follows it). Without that cut, frames
+            # acknowledged here would vanish unnoticed with this segment.
+            ends = [*self._uncut, *([self._replayed_end] if self._replayed_end is not None else [])]
+            for older, end in ends:
+                if older != path:
+                    durable.cut_tail(older, end, self.backend.sync_file)
         self._replayed_end = None
+        self._uncut = []
         self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
         self._durable_end = frame.SEGMENT_HEADER_BYTES
         self._allocated = allocated

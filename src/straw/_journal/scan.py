@@ -153,6 +153,9 @@ class JournalWalk:
     chain: bytes = b""
     end: LogEnd | None = None  # how the last live segment ends
     end_path: str | None = None
+    #: Older segments that still end in zeros, with the end of their frames: a switch that a
+    #: crash stopped before its cut (J5.2). Recovery cuts them (J4.4).
+    uncut: list[tuple[str, int]] = field(default_factory=list)
     problem: Problem | None = None
     bytes: int = 0
 
@@ -284,6 +287,8 @@ class _Walker:
             return None
         if newest:
             result.end, result.end_path = end, path
+        elif end.kind == ZEROS:
+            result.uncut.append((path, end.offset))
         if end.kind == CUT:
             self.stop("journal.truncated", path, f"journal {label}: {end.reason}; refusing to recover")
             return None
