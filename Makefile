@@ -55,10 +55,12 @@ slow: $(STAMP)
 crash: $(STAMP)
 	STRAW_CRASH_FULL=1 $(BIN)/python -m pytest tests/test_crash_campaign.py tests/test_damage_campaign.py -m "slow or not slow"
 
-# The seeded simulation on the in-memory fault-injecting filesystem: `make sim SEEDS=1000`.
+# The seeded simulation on the in-memory fault-injecting filesystem: `make sim SEEDS=1000`
+# runs seeds 1000-1999; BASE=2000 starts elsewhere.
 SEEDS ?= 200
+BASE ?= 1000
 sim: $(STAMP)
-	STRAW_SIM_SEEDS=$(SEEDS) $(BIN)/python -m pytest tests/sim -m "slow or not slow"
+	STRAW_SIM_SEEDS=$(SEEDS) STRAW_SIM_BASE=$(BASE) $(BIN)/python -m pytest tests/sim -m "slow or not slow"
 
 # A few minutes of writers, a coordinator, workers and a collector on two JuiceFS clients.
 soak: $(STAMP)

@@ -1,6 +1,7 @@
 """The seeded simulation (tests/sim/workload.py): a few seeds in `make test`, many in `make sim`.
 
-``STRAW_SIM_SEEDS=N`` runs N more seeds (marked slow; ``make sim SEEDS=N``), and
+``STRAW_SIM_SEEDS=N`` runs N more seeds from ``STRAW_SIM_BASE`` (default 1000; marked slow;
+``make sim SEEDS=N BASE=B``), and
 ``STRAW_SIM_SEED=S`` replays exactly one seed; a failing seed prints that command.
 """
 
@@ -14,7 +15,7 @@ from sim.workload import Simulation
 
 QUICK_SEEDS = tuple(range(1, 13))
 MANY = int(os.environ.get("STRAW_SIM_SEEDS", "0") or 0)
-MANY_BASE = 1000
+MANY_BASE = int(os.environ.get("STRAW_SIM_BASE", "1000") or 1000)
 REPLAY = os.environ.get("STRAW_SIM_SEED")
 
 

@@ -35,7 +35,7 @@ import contextlib
 import errno
 import random
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -444,8 +444,17 @@ class Simulation:
         request = self._fresh("s")
         self._note(f"submit {request}: {sorted(inputs)}")
         self.model.maybe_submitted.update(inputs)
+        self._adopted(inputs.values())
         self._coord().submit_tasks(request, specs)
         self.model.submitted.update(inputs)
+
+    def _adopted(self, pubs: Iterable[Pub | None]) -> None:
+        """A queue that takes a publication over ends its staging (docs/GC.md, "Queue adoption"):
+        from then on only owners keep it (the task while unfinished, the checkpoint until
+        released). Ended before the call, whatever its outcome: the model then requires less."""
+        for pub in pubs:
+            if pub is not None:
+                pub.staged = False
 
     def _acquire(self) -> Lease | None:
         worker = f"w{self.rng.randrange(3)}"
@@ -502,6 +511,7 @@ class Simulation:
         pub = self.rng.choice(required)
         checkpoint = self._fresh("ckpt-")
         self._note(f"register_checkpoint {checkpoint}")
+        self._adopted([pub])
         self._coord().register_checkpoint(checkpoint, pub.ref)
         self.model.owners[checkpoint] = [pub]
 
