@@ -26,6 +26,7 @@ from straw._fs.system import installed
 from straw._inspect.check import check_pool
 from straw._inspect.layout import NotAPool
 from straw._journal import frame as jframe
+from straw._journal.frame import all_zero as frame_zeros
 from straw._pack import frame as pframe
 from straw.backend import FilesystemBackend
 from straw.errors import QueueError
@@ -118,7 +119,9 @@ def expectation(damage: Damage, pristine: bytes, needed: set[str]) -> str:
         start, end = _frames_end(pristine)
         if damage.op == "truncate" and damage.at >= end + LOG_END_ZEROS_MIN:
             return "harmless"
-        if damage.op == "flip" and start <= damage.at < end:
+        if damage.op == "flip" and start <= damage.at < end and frame_zeros(pristine[end:]):
+            # (Zeros follow it: the frame looks torn. When a crashed write's bytes follow it
+            # instead, it is damage before the end, and any finding will do.)
             return "torn"
     return "finding"
 
