@@ -100,12 +100,11 @@ class Journal:
         self._allocated = 0
         self.bytes_since_snapshot = 0
         self.snapshot_bytes = 0
-        #: The last segment a replay walked and the end of its frames: cut there once the next
-        #: segment exists, so it never again looks like a newest segment (J7).
-        self._replayed_end: tuple[str, int] | None = None
-        #: Older segments a replay found still ending in zeros (a switch stopped before its cut,
-        #: J5.2), with the end of their frames: cut with the replayed one (J4.4).
-        self._uncut: list[tuple[str, int]] = []
+        #: Segments a replay found ending in zeros, with the end of their frames: the last one
+        #: walked, and any older one whose switch a crash stopped before its cut (J5.2). Each is
+        #: cut there once the next segment exists, so it never again looks like a newest one
+        #: (J4.4, J7).
+        self._to_cut: list[tuple[str, int]] = []
         self.walked: scan.JournalWalk | None = None
         #: ``sleeps``: times a caller of :meth:`wait` slept (once per frame another caller's
         #: batch makes durable; more only when a batch it could lead had to wait for another).
@@ -187,6 +186,7 @@ class Journal:
             self.snapshot_bytes = walked.snapshot_bytes
         truncated = None
         end, path = walked.end, walked.end_path
+        self._to_cut = list(walked.uncut)
         if end is not None and path is not None:
             if end.kind == scan.TORN:
                 # J4.3: a crashed append's frame, never acknowledged; zeroed (not cut), so the
@@ -198,8 +198,7 @@ class Journal:
                 # this replay just applied them. Sync before anything is built on them, so that a
                 # later power loss cannot take back what the recovered coordinator serves.
                 self._sync_path(path)
-            self._replayed_end = (path, end.offset)
-        self._uncut = list(walked.uncut)
+            self._to_cut.append((path, end.offset))
         self._next_seq = walked.last_seq + 1
         self._chain = walked.chain
         self._durable = self._written = self._covered = walked.last_seq
@@ -281,12 +280,10 @@ class Journal:
             # replayed last, and any whose switch a crash stopped before its cut (J5.2; then the
             # segment reused here, holding no frame, follows it). Without that cut, frames
             # acknowledged here would vanish unnoticed with this segment.
-            ends = [*self._uncut, *([self._replayed_end] if self._replayed_end is not None else [])]
-            for older, end in ends:
+            for older, end in self._to_cut:
                 if older != path:
                     durable.cut_tail(older, end, self.backend.sync_file)
-        self._replayed_end = None
-        self._uncut = []
+        self._to_cut = []
         self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
         self._durable_end = frame.SEGMENT_HEADER_BYTES
         self._allocated = allocated

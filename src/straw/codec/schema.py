@@ -1048,7 +1048,7 @@ def _field_names(cls: type) -> frozenset[str] | None:
     if found is None:
         if not dataclasses.is_dataclass(cls):
             return None
-        found = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+        found = _FIELD_NAMES[cls] = frozenset(name for name, _, _ in _defaults(cls))
     return found
 
 
