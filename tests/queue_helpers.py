@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from straw._fs import lock
+from straw._journal import frame as jframe
 from straw.coordinator import Coordinator
 from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef
 from straw.store import SharedFilesystemStore
@@ -154,3 +155,34 @@ def catalog_events(root: Path) -> list[dict[str, Any]]:
         CatalogState.apply = original  # type: ignore[method-assign]
     assert loaded.problem is None, loaded.problem
     return seen
+
+
+def log_frames(data: bytes) -> tuple[list[tuple[int, jframe.Frame]], jframe.Verdict]:
+    """(start, frame) of every valid frame of a journal segment or the catalog log, in order,
+    and the verdict on what follows the last one."""
+    header = jframe.decode_segment_header(data, jframe.SEGMENT_MAGIC)
+    at, seq, chain = jframe.SEGMENT_HEADER_BYTES, header.first_seq - 1, header.chain_in
+    frames = []
+    while (found := (verdict := jframe.classify(data, at, seq + 1, chain)).frame) is not None:
+        frames.append((at, found))
+        at, seq, chain = found.end, found.seq, found.chain
+    return frames, verdict
+
+
+def unwitnessed(data: bytes) -> tuple[int, int]:
+    """(start, end) of a log's last frames that no later frame proves durable: the blind spot of
+    DURABILITY.md's durability witness, where a flipped byte looks like a torn write. A frame's
+    header records how far behind the durable frame it was framed (its lag, 0 when unknown), so a
+    frame framed once frame d was durable witnesses d and every frame before it. In the catalog
+    (each frame synced before the next) that leaves the last frame; in the journal also the
+    acquire frames written without a sync just before it (J2.5). Empty when there is no frame."""
+    frames, _ = log_frames(data)
+    if not frames:
+        return jframe.SEGMENT_HEADER_BYTES, jframe.SEGMENT_HEADER_BYTES
+    witnessed = 0
+    for start, found in frames:
+        lag = jframe._FRAME.unpack_from(data, start)[2]
+        if lag:
+            witnessed = max(witnessed, found.seq - lag)
+    start = next(at for at, found in frames if found.seq > witnessed)  # the last one at least
+    return start, frames[-1][1].end

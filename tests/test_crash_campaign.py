@@ -233,15 +233,8 @@ def quick_store(root: Path) -> SharedFilesystemStore:
 
 def frame_extents(data: bytes) -> tuple[list[tuple[int, int]], jframe.Verdict]:
     """(start, end) of every valid frame of a segment or catalog log, and the verdict after them."""
-    header = jframe.decode_segment_header(data, jframe.SEGMENT_MAGIC)
-    at, seq, chain = jframe.SEGMENT_HEADER_BYTES, header.first_seq - 1, header.chain_in
-    extents = []
-    while True:
-        verdict = jframe.classify(data, at, seq + 1, chain)
-        if verdict.frame is None:
-            return extents, verdict
-        extents.append((at, verdict.frame.end))
-        at, seq, chain = verdict.frame.end, verdict.frame.seq, verdict.frame.chain
+    frames, verdict = qh.log_frames(data)
+    return [(start, found.end) for start, found in frames], verdict
 
 
 def positions(length: int, coverage: str) -> list[int]:

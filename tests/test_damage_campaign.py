@@ -180,14 +180,7 @@ class Case:
 
 def _log_frames(data: bytes) -> list[tuple[int, int]]:
     """(start, end) of every valid frame of a journal segment or catalog log."""
-    header = jframe.decode_segment_header(data, jframe.SEGMENT_MAGIC)
-    at, seq, chain, out = jframe.SEGMENT_HEADER_BYTES, header.first_seq - 1, header.chain_in, []
-    while True:
-        verdict = jframe.classify(data, at, seq + 1, chain)
-        if verdict.frame is None:
-            return out
-        out.append((at, verdict.frame.end))
-        at, seq, chain = verdict.frame.end, verdict.frame.seq, verdict.frame.chain
+    return [(start, found.end) for start, found in qh.log_frames(data)[0]]
 
 
 def _pack_regions(root: Path, relative: str) -> list[tuple[str, int, int]]:
@@ -364,12 +357,8 @@ def _blind_spot(case: Case, pristine: bytes) -> bool:
     removes it like a torn write, and the frames after it; check must still report the torn tail."""
     if case.op != "flip" or case.kind not in ("journal-newest", "catalog-log"):
         return False
-    frames = _log_frames(pristine)
-    if not frames:
-        return False
-    lag = jframe._FRAME.unpack_from(pristine, frames[-1][0])[2]
-    unwitnessed = frames[-max(lag, 1) :]
-    return unwitnessed[0][0] <= case.at < unwitnessed[-1][1]
+    start, end = qh.unwitnessed(pristine)
+    return start <= case.at < end
 
 
 def _store(root: Path) -> SharedFilesystemStore:

@@ -26,7 +26,6 @@ import child_io
 import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
-from straw._journal import frame as jframe
 from straw.backend import FilesystemBackend
 from straw.protocol import CommitReceipt, Lease, RecordSetRef, as_dict
 
@@ -50,15 +49,6 @@ PHASES = (
     "after_snapshot_write",
     "before_history_prune",
 )
-
-
-def frames_end(data: bytes) -> int:
-    """Where the last valid frame of a journal segment ends."""
-    header = jframe.decode_segment_header(data, jframe.SEGMENT_MAGIC)
-    at, seq, chain = jframe.SEGMENT_HEADER_BYTES, header.first_seq - 1, header.chain_in
-    while (found := jframe.classify(data, at, seq + 1, chain).frame) is not None:
-        at, seq, chain = found.end, found.seq, found.chain
-    return at
 
 
 def child(root: str, phase: str) -> None:
@@ -124,7 +114,8 @@ def test_i8_a_kill_at_any_snapshot_phase_keeps_every_printed_receipt(tmp_path: P
         older = sorted(name for name in os.listdir(wal) if name.endswith(".wal"))[:-1]
         for name in older:
             data = Path(wal, name).read_bytes()
-            assert len(data) == frames_end(data), f"{name} is not the newest but still ends in zeros"
+            frames, _ = qh.log_frames(data)
+            assert len(data) == frames[-1][1].end, f"{name} is not the newest but still ends in zeros"
         assert sorted(c["task_id"] for c in commits) == [f"t{i:03d}" for i in range(TASKS)]
     # A clean reopen after the clean close: the files the kill left were tidied or reused.
     with (

@@ -21,11 +21,11 @@ import os
 import random
 from dataclasses import dataclass
 
+from queue_helpers import unwitnessed
 from straw import Coordinator, SharedFilesystemStore
 from straw._fs.system import installed
 from straw._inspect.check import check_pool
 from straw._inspect.layout import NotAPool
-from straw._journal import frame as jframe
 from straw._pack import frame as pframe
 from straw.backend import FilesystemBackend
 from straw.errors import QueueError
@@ -90,42 +90,6 @@ def choose(fs: FaultFS, root: str, rng: random.Random) -> Damage | None:
     return Damage(path, kind, op, at)
 
 
-def _frames(data: bytes) -> list[tuple[int, jframe.Frame]]:
-    """(start, frame) of every valid frame of a log, in order."""
-    header = jframe.decode_segment_header(data, jframe.SEGMENT_MAGIC)
-    at, seq, chain = jframe.SEGMENT_HEADER_BYTES, header.first_seq - 1, header.chain_in
-    out = []
-    while (found := jframe.classify(data, at, seq + 1, chain).frame) is not None:
-        out.append((at, found))
-        at, seq, chain = found.end, found.seq, found.chain
-    return out
-
-
-def _frames_end(data: bytes) -> tuple[int, int]:
-    """(start, end) of the last valid frame of a log (or the header's end twice)."""
-    frames = _frames(data)
-    if not frames:
-        return jframe.SEGMENT_HEADER_BYTES, jframe.SEGMENT_HEADER_BYTES
-    start, last = frames[-1]
-    return start, last.end
-
-
-def _unwitnessed(data: bytes) -> tuple[int, int]:
-    """(start, end) of the log's last frames that no later frame proves durable: the documented
-    blind spot (a flipped byte there looks like a torn write). A frame's header records how far
-    behind the durable frame it was framed (its lag); a later frame framed once frame d was
-    durable witnesses d, and every frame before it."""
-    frames = _frames(data)
-    witnessed = 0
-    for start, found in frames:
-        lag = jframe._FRAME.unpack(data[start : start + jframe._FRAME.size])[2]
-        if lag:
-            witnessed = max(witnessed, found.seq - lag)
-    _, end = _frames_end(data)
-    start = next((at for at, found in frames if found.seq > witnessed), end)
-    return start, end
-
-
 def expectation(damage: Damage, pristine: bytes, needed: set[str]) -> str:
     """``finding`` (check must not say ok), ``harmless`` or ``torn`` (the documented blind spot).
 
@@ -136,12 +100,10 @@ def expectation(damage: Damage, pristine: bytes, needed: set[str]) -> str:
         return "harmless"  # a writer without LIVE counts as alive; its note decides nothing
     if damage.kind == "pack-header" and damage.op == "delete" and damage.path not in needed:
         return "harmless"
-    if damage.kind == "journal-older" and damage.op == "truncate" and damage.at >= _frames_end(pristine)[1]:
+    if damage.kind == "journal-older" and damage.op == "truncate" and damage.at >= unwitnessed(pristine)[1]:
         return "harmless"  # an older segment's zeros (a crash before the cut, J5.2): no frame lost
     if damage.kind in ("journal-newest", "catalog-log") and damage.op in ("truncate", "flip"):
-        # The catalog syncs each frame before the next; the journal's last synced batch and the
-        # acquire frames before it are proven durable only by a later frame's lag.
-        start, end = _unwitnessed(pristine) if damage.kind == "journal-newest" else _frames_end(pristine)
+        start, end = unwitnessed(pristine)
         if damage.op == "truncate" and damage.at >= end + LOG_END_ZEROS_MIN:
             return "harmless"
         if damage.op == "flip" and start <= damage.at < end:

@@ -1074,9 +1074,7 @@ _STR_ONLY = frozenset({str})
 
 
 def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
-    name = node["cls"]
-    if type(name) is not str:
-        raise TypeError(f"expected a string, got {type(name).__name__}")
+    name = _text(node["cls"])
     cls = reader.resolve(name)
     names = _field_names(cls)
     if names is None:
@@ -1086,14 +1084,11 @@ def _dataclass(reader: _Reader, node: Mapping[str, Any], depth: int) -> Any:
     except TypeError as error:
         raise UnsupportedSchema(f"cannot rebuild {name} without calling it: {error}") from None
     values = _pairs(_list(node["fields"]) + _list(node["attrs"]))
-    if depth <= NESTING_DEPTH_MAX:
-        for key, value in values.items():  # (values of present keys change: the size does not)
-            kind = type(value)
-            # A scalar, or a list of scalars (token ids, log-probs), is node()'s answer for itself.
-            if kind not in _PLAIN_TYPES and (kind is not list or not _plain(value)):
-                values[key] = reader.node(value, depth)
-    else:  # a field at the nesting limit still goes through node(), which refuses it
-        for key, value in values.items():
+    deep = depth > NESTING_DEPTH_MAX  # a field at the nesting limit goes through node(), which refuses it
+    for key, value in values.items():  # (values of present keys change: the size does not)
+        kind = type(value)
+        # A scalar, or a list of scalars (token ids, log-probs), is node()'s answer for itself.
+        if deep or (kind not in _PLAIN_TYPES and (kind is not list or not _plain(value))):
             values[key] = reader.node(value, depth)
     for field_name, default, factory in () if values.keys() >= names else _defaults(cls):
         # (only a class that gained fields since publication has some missing)
