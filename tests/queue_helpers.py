@@ -136,6 +136,18 @@ def directory_files(directory: str) -> dict[str, bytes]:
     return out
 
 
+def descriptors_under(directory: str | Path) -> list[str]:
+    """The files under ``directory`` this process holds a descriptor of (Linux ``/proc``)."""
+    prefix = os.path.realpath(directory).rstrip(os.sep) + os.sep
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(prefix):
+                out.append(target)
+    return sorted(out)
+
+
 def catalog_events(root: Path) -> list[dict[str, Any]]:
     """Every event the pool's catalog log holds past its snapshot, in order (read from disk)."""
     from straw._catalog.log import load_catalog

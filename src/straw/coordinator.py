@@ -282,14 +282,26 @@ class Coordinator:
             self._state = self._open(recover)
             self.journal = JournalView(self._journal)
         except OSError as error:
-            lock.unlock(self._lock_fd)
+            self._failed_open()
             raise posix.storage_error(
                 error, f"opening queue {self.queue_id!r} in {self.directory}"
             ) from error
         except BaseException:
-            lock.unlock(self._lock_fd)
+            self._failed_open()
             raise
         self.recovery_seconds = time.perf_counter() - started
+
+    def _failed_open(self) -> None:
+        """A failed open leaves what a killed process leaves (nothing more is written) and keeps
+        no descriptor: the journal segment, the history files read and the queue's lock are
+        let go, so a process may try again as often as it likes."""
+        journal: Journal | None = getattr(self, "_journal", None)
+        if journal is not None:
+            journal.abandon()
+        state: QueueState | None = getattr(self, "_state", None)
+        if state is not None:
+            state.history.close()
+        lock.unlock(self._lock_fd)
 
     # ------------------------------------------------------------------ opening
 
@@ -502,8 +514,10 @@ class Coordinator:
             self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
         )
         try:
+            stale = self._state
             self._state, _ = self._replay(self._limits(), reader, self._journal.durable_seq)
             self._spilled.clear()  # the state read back names the history its snapshot names
+            stale.history.close()  # (a reader still holding one of its files opens it again)
         except Exception as error:
             raise UnsafeRecovery(
                 f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r} and its durable "

@@ -23,7 +23,7 @@ from typing import Any
 
 from ._catalog.log import Catalog
 from ._fs import posix
-from ._inspect.gather import Pool, gather
+from ._inspect.gather import Pool, close_histories, gather
 from ._inspect.layout import LIVE_FILE, NotAPool
 from ._inspect.queue_view import QueueView
 from ._queue.machine import task_from_row
@@ -48,7 +48,10 @@ def inspect_run(root: str | os.PathLike[str]) -> dict[str, Any]:
     retained: set[str] = set()
     failures: list[dict[str, str]] = []
     if view is not None:
-        _journal_roots(pool, view, retained, failures)
+        try:
+            _journal_roots(pool, view, retained, failures)
+        finally:
+            close_histories(pool.queues)
     for packs in pool.catalog.state.owners.values():
         retained |= packs
     on_disk = pool.on_disk

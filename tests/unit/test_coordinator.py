@@ -1445,6 +1445,7 @@ def test_a_failed_recovery_releases_the_queue_and_the_next_recovery_keeps_everyt
     faults.armed = phase  # the new epoch's transaction fails
     with pytest.raises(InjectedFault):
         make(store=faulty_store, recover=True)
+    assert qh.descriptors_under(coord.directory) == []  # its journal segment, history and lock too
     again = make(store=faulty_store, recover=True)
     # The failed open's epoch frame is in the file unless the fault came before the write.
     assert again.epoch == (2 if phase == "before_journal_write" else 3)

@@ -25,12 +25,15 @@ from hypothesis import strategies as st
 import queue_helpers as qh
 import straw.coordinator as coordinator_module
 from straw import Coordinator, SharedFilesystemStore, TaskSpec
+from straw._inspect.check import check_pool
+from straw._inspect.view import inspect_pool, why
 from straw._journal import history_io
 from straw._queue import history
 from straw._queue.machine import new_state, state_from_dict, state_to_dict
 from straw._queue.progress import acknowledged
 from straw.cli import main
 from straw.errors import CorruptData, IdempotencyConflict, InvalidReference, StaleAttempt
+from straw.inspect import inspect_run
 from straw.limits import HISTORY_UNMERGED_FILES_MAX
 from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode, encode
 
@@ -340,6 +343,22 @@ def test_a_damaged_row_fails_its_lookup_and_straw_check_names_the_file(
         _assert_exact(coord, done)  # the answer that needs the row refuses, never guesses
     victim.write_bytes(original)
     assert main(["check", root]) == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_checking_and_inspecting_a_pool_over_and_over_keeps_no_history_file_open(tmp_path: Path) -> None:
+    """``straw check`` and ``straw inspect`` read every history file and index run; a process
+    that runs them again and again (a monitor) must not keep a descriptor per file."""
+    root = str(tmp_path)
+    _build(root)
+    assert any(p.name.endswith(history.RUN_SUFFIX) for p in (tmp_path / "queue" / "hist").iterdir())
+    for _ in range(3):
+        assert check_pool(root).ok
+        described = inspect_pool(root)
+        assert described["queues"][0]["root_packs"] > 0
+        assert why(root, described["packs"][0]["pack"])["exists"]
+        assert inspect_run(root)["retained_dependency_errors"] == []
+        assert qh.descriptors_under(root) == []
 
 
 def test_live_tasks_answer_from_live_state_without_reading_history(tmp_path: Path) -> None:
@@ -1068,18 +1087,12 @@ def test_a_collection_reads_history_before_the_lock_and_a_rewind_meanwhile_keeps
         assert set(coord._owned) == with_ahead
 
 
-def _history_descriptors(suffix: str = history.SUFFIX, under: str = "") -> int:
+def _history_descriptors(suffix: str, under: str) -> int:
     """Descriptors of this process open on queue history files (``suffix``: or index runs)
     under the directory ``under`` (a deleted file's link ends with " (deleted)")."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor)
-        in_history = f"{os.sep}{history.HIST_DIR}{os.sep}" in target and target.startswith(under)
-        count += in_history and target.endswith(suffix)
-    return count
+    inside = f"{os.sep}{history.HIST_DIR}{os.sep}"
+    held = qh.descriptors_under(under)
+    return sum(inside in t and t.removesuffix(" (deleted)").endswith(suffix) for t in held)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
@@ -1099,14 +1112,14 @@ def test_walking_every_history_file_keeps_a_bounded_number_of_descriptors_open(
         receipts = [r for r, _, _ in done]
         for cursor in range(len(receipts)):  # paging through history reads every file in turn
             assert list(coord.read_commits(cursor, 1).commits) == receipts[cursor : cursor + 1]
-            assert _history_descriptors(under=root) <= limit
+            assert _history_descriptors(history.SUFFIX, root) <= limit
         assert [r["position"] for r in coord.retire_worker("w1")] == list(range(TASKS - 2))
-        assert _history_descriptors(under=root) <= limit
+        assert _history_descriptors(history.SUFFIX, root) <= limit
         coord.collect_garbage()
-        assert _history_descriptors(under=root) <= limit
+        assert _history_descriptors(history.SUFFIX, root) <= limit
         _assert_exact(coord, done)  # files given up are read again, answers unchanged
-        assert 0 < _history_descriptors(under=root) <= limit
-    assert _history_descriptors(under=root) == 0  # close gives up every descriptor left
+        assert 0 < _history_descriptors(history.SUFFIX, root) <= limit
+    assert _history_descriptors(history.SUFFIX, root) == 0  # close gives up every descriptor left
 
 
 def test_sources_giving_up_descriptors_to_each_other_read_exact_bytes_from_many_threads(
@@ -1172,7 +1185,7 @@ def test_a_run_keeps_its_descriptor_while_other_files_give_theirs_up(
             os.unlink(run.path)  # as H4 prunes an absorbed run the live state still reads
         receipts = [r for r, _, _ in done]
         assert list(coord.read_commits(0, len(receipts)).commits) == receipts  # every file read
-        assert _history_descriptors(under=root) <= 1
+        assert _history_descriptors(history.SUFFIX, root) <= 1
         assert _history_descriptors(history.RUN_SUFFIX, root) == len(hist.runs)  # each keeps its own
         for receipt in receipts:
             assert coord.lookup_submission(receipt.submission_id) == receipt

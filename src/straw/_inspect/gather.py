@@ -68,7 +68,26 @@ def gather(root: str | os.PathLike[str], *, scan: bool = True) -> Pool:
     not see owned), then the packs (one collected while scanned is "vanished", not damaged).
     """
     path = open_pool(root)
-    queues = [load_queue(path, q) for q in queue_directories(path)]
+    queues: list[QueueView] = []
+    try:
+        for directory in queue_directories(path):
+            queues.append(load_queue(path, directory))
+        return _gather(path, queues, scan)
+    finally:
+        # What the description needs from the queues' history files (their check, the roots)
+        # is read by now: their descriptors are given up, or a process that checks or inspects
+        # pools over and over would keep one per file. A caller that reads more closes again.
+        close_histories(queues)
+
+
+def close_histories(queues: list[QueueView]) -> None:
+    """Give up the descriptors of the queues' history files (a later read opens them again)."""
+    for view in queues:
+        if view.state is not None:
+            view.state.history.close()
+
+
+def _gather(path: str, queues: list[QueueView], scan: bool) -> Pool:
     catalog, _ = read_catalog(path)
     layout = list_pool(path)
     pool = Pool(path, layout, catalog, queues)
