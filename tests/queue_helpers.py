@@ -102,13 +102,15 @@ def work_one(coordinator: Coordinator, worker: str) -> CommitReceipt | str:
 def crash(coordinator: Coordinator) -> None:
     """Drop a coordinator the way a killed process would: no snapshot, no clean close.
 
-    The journal descriptor is closed without writing anything more and the queue
-    lock is released, exactly what the kernel does when the holder dies. A snapshot
+    The journal descriptor is closed without writing anything more, the history files
+    are let go and the queue lock is released, exactly what the kernel does when the
+    holder dies. A snapshot
     running in the background (J5) is let finish first: a killed process's threads die
     with it, and within one process the nearest equivalent is a crash just after it.
     """
     coordinator._await_snapshot()
     coordinator._journal.abandon()
+    coordinator._let_go_of_history()
     lock.unlock(coordinator._lock_fd)
     coordinator._closed = True  # the dead object must not be used (or closed) again
 

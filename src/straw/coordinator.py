@@ -298,9 +298,8 @@ class Coordinator:
         journal: Journal | None = getattr(self, "_journal", None)
         if journal is not None:
             journal.abandon()
-        state: QueueState | None = getattr(self, "_state", None)
-        if state is not None:
-            state.history.close()
+        if getattr(self, "_state", None) is not None:
+            self._let_go_of_history()
         lock.unlock(self._lock_fd)
 
     # ------------------------------------------------------------------ opening
@@ -409,6 +408,7 @@ class Coordinator:
             self._check_identity(identity_path, self._read_identity(identity_path))
         self._journal.create_dirs(str(self.backend.root))
         state, recorded = self._replay(limits)
+        self._state = state  # (a refusal from here on lets its history files go: _failed_open)
         served = self._journal.last_seq > 0
         if recorded is not None:
             self._check_identity(identity_path, recorded, recorded=True)
@@ -492,12 +492,18 @@ class Coordinator:
             data = decode(body)
             found = data.get("identity") if isinstance(data, dict) else None
             identity[0] = found if isinstance(found, dict) else None
-            holder[0] = state_from_dict(data, limits, history_io.opener(self.directory))
+            loaded = state_from_dict(data, limits, history_io.opener(self.directory))
+            holder[0].history.close()
+            holder[0] = loaded
 
         # Replay allocates many small objects: pause the cycle collector meanwhile (as
         # state_from_dict does) so recovery time stays proportional to the journal.
-        with collector_paused():
-            recovered = (journal or self._journal).replay(apply, load, upto=upto)
+        try:
+            with collector_paused():
+                recovered = (journal or self._journal).replay(apply, load, upto=upto)
+        except BaseException:
+            holder[0].history.close()  # a state nobody gets keeps no descriptor
+            raise
         if upto is None:
             self.truncated_tail = recovered.truncated
         return holder[0], identity[0]
@@ -768,7 +774,11 @@ class Coordinator:
         # live state takes over with the file (H3), so its lookups never merge under the lock and
         # its memory holds only the runs' filters and fences, not a hash per entry.
         before = {id(run) for run in state.history.runs}
-        runs = self._write_runs(state, seq)
+        try:
+            runs = self._write_runs(state, seq)
+        except BaseException:
+            file.close()  # an orphan as well (H1): no snapshot will name it
+            raise
         written = [run for run in runs or () if id(run) not in before]
         return _Spilled(file, stop, task_ids, request_ids, reach_keys, runs, written)
 
@@ -1637,8 +1647,17 @@ class Coordinator:
                 raise posix.storage_error(error, f"closing queue {self.queue_id!r}") from error
             finally:
                 self._journal.close()
-                self._state.history.close()
+                self._let_go_of_history()
                 lock.unlock(self._lock_fd)
+
+    def _let_go_of_history(self) -> None:
+        """Close the history files and runs the state holds, and those of durable snapshots it
+        has not taken over yet (a later read of any of them opens it again)."""
+        self._state.history.close()
+        for spilled in self._spilled:
+            spilled.file.close()
+            for run in (*(spilled.runs or ()), *spilled.written):
+                run.close()
 
     def __enter__(self) -> Coordinator:
         return self

@@ -590,6 +590,8 @@ def test_recovering_with_another_identity_is_refused(
         change = {"store": SharedFilesystemStore(store.backend.root, "other-run")}
     with pytest.raises(UnsafeRecovery, match=fragment):
         make(recover=True, **change)
+    if "store" in change:
+        change["store"].close()
     assert qh.directory_files(coord.directory) == before
     assert states(make(recover=True)) == {"a": "pending"}
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from queue_helpers import catalog_events
+from queue_helpers import catalog_events, crash
 from straw import coordinator as coordinator_module
 from straw.backend import FilesystemBackend
 from straw.coordinator import Coordinator
@@ -51,6 +51,7 @@ class Pool:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.fault = Fault()
+        self.stores: list[SharedFilesystemStore] = []  # closed by the fixture
         self.writer = self.store(online_gc=True)
         self.queue_store = self.store(fault=self.fault)
         self.queue = self.open_queue(recover=False)
@@ -59,7 +60,9 @@ class Pool:
         self, *, online_gc: bool = False, fault: Callable[[str], None] | None = None
     ) -> SharedFilesystemStore:
         backend = FilesystemBackend(self.root, fault=fault, sleep=_no_sleep, visibility_delays=(0.0,))
-        return SharedFilesystemStore(self.root, RUN, backend=backend, online_gc=online_gc)
+        store = SharedFilesystemStore(self.root, RUN, backend=backend, online_gc=online_gc)
+        self.stores.append(store)
+        return store
 
     def open_queue(self, *, recover: bool) -> Coordinator:
         return Coordinator(self.queue_store, exclusive_owner="adoption-tests", recover=recover)
@@ -103,7 +106,8 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
     yield p
     if not p.queue._closed:
         p.queue.close()
-    p.writer.close()
+    for store in p.stores:
+        store.close()
 
 
 def test_a_submitted_input_is_reclaimed_once_its_task_ends_while_the_writer_lives(pool: Pool) -> None:
@@ -266,10 +270,7 @@ def test_a_killed_coordinator_loses_pending_adoptions_and_retains_too_much(pool:
     data = pool.put("input")
     pool.queue.submit_tasks("r1", [TaskSpec("t", input_ref=data)])
     pool.writer.seal()
-    queue = pool.queue
-    queue._journal.abandon()  # as a killed process: no snapshot, no catalog write, lock gone
-    coordinator_module.lock.unlock(queue._lock_fd)
-    queue._closed = True
+    crash(pool.queue)  # as a killed process: no snapshot, no catalog write, lock gone
     pool.queue = pool.open_queue(recover=True)
     pool.queue.cancel_task("t", request_id="c1")
     assert pool.queue.collect_garbage()["reclaimed_files"] == 0  # staged by its live writer

@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
+import queue_helpers as qh
 from straw._catalog.log import Catalog
-from straw._fs import lock
 from straw._inspect.check import check_pool
 from straw.backend import FilesystemBackend
 from straw.coordinator import Coordinator
@@ -74,6 +74,7 @@ class Pool:
         self.root = root
         self.fault = Fault()
         self.clock = Clock()
+        self.stores: list[SharedFilesystemStore] = []  # closed by the fixture
         self.data = self.store(online_gc=True, segment_target_bytes=0)
         self.coordinator_store = self.store(fault=self.fault)
         self.queue = self.open_queue(recover=False)
@@ -86,9 +87,11 @@ class Pool:
         fault: Callable[[str], None] | None = None,
     ) -> SharedFilesystemStore:
         backend = FilesystemBackend(self.root, fault=fault, sleep=_no_sleep, visibility_delays=(0.0,))
-        return SharedFilesystemStore(
+        store = SharedFilesystemStore(
             self.root, RUN, backend=backend, online_gc=online_gc, segment_target_bytes=segment_target_bytes
         )
+        self.stores.append(store)
+        return store
 
     def open_queue(
         self,
@@ -154,10 +157,7 @@ class Pool:
 
     def crash(self) -> None:
         """Drop the coordinator as a killed process would: no snapshot, lock released by the kernel."""
-        queue = self.queue
-        queue._journal.abandon()
-        lock.unlock(queue._lock_fd)
-        queue._closed = True
+        qh.crash(self.queue)
 
 
 @pytest.fixture
@@ -166,7 +166,8 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
     yield p
     if not p.queue._closed:
         p.queue.close()
-    p.data.close()
+    for store in p.stores:
+        store.close()
 
 
 def _queue_owner(pool: Pool) -> str:

@@ -226,6 +226,7 @@ def test_a_snapshot_that_names_no_runs_still_answers_and_merges_in_memory(tmp_pa
         for receipt, _, _ in done:
             assert opened.position_of(receipt.submission_id) == receipt.position
             assert opened.find_task(receipt.task_id).state == "completed"  # type: ignore[union-attr]
+        opened.history.close()
 
 
 def test_hashes_that_collide_across_files_still_answer_exactly(
@@ -313,6 +314,7 @@ def test_a_missing_or_torn_history_file_fails_closed_naming_it_and_nothing_is_lo
         victim.write_bytes(bytes(data))
     with SharedFilesystemStore(root, RUN) as store, pytest.raises(CorruptData, match=victim.name):
         Coordinator(store, exclusive_owner=OWNER, recover=True)
+    assert qh.descriptors_under(root) == []  # the refused recovery keeps no file of it open
     shutil.copyfile(kept, victim)  # restored from a copy: every answer is back
     with (
         SharedFilesystemStore(root, RUN) as store,
@@ -464,6 +466,7 @@ def test_both_versions_answer_their_lookups_and_version_1_holds_no_requests(tmp_
     assert (old.version, old.requests) == (1, 0)
     assert old.task("t") == ["t", "req"] and old.position("s") == 0 and old.request("req") is None
     old.verify()
+    old.close()
     (tmp_path / history.file_name(7)).unlink()
     requests = [(f"r{k}", [f"r{k}", f"fp{k}", [k]]) for k in range(200)]
     new = _open(tmp_path, *history.build(7, 0, *rows, requests))
@@ -472,8 +475,10 @@ def test_both_versions_answer_their_lookups_and_version_1_holds_no_requests(tmp_
     assert all(new.request(f"r{k}") == [f"r{k}", f"fp{k}", [k]] for k in range(200))
     assert new.request("r200") is None and new.request("t") is None
     new.verify()
+    new.close()
     with pytest.raises(CorruptData, match="trailer checksum"):  # not the file its snapshot named
         history.HistoryFile(new.name, history_io.FileSource(new.path), new.size, new.checksum ^ 1)
+    assert qh.descriptors_under(tmp_path) == []  # the refused file's too
 
 
 def test_request_ids_move_to_history_files_and_stay_exact_live_and_after_reopen(tmp_path: Path) -> None:
@@ -736,6 +741,7 @@ def test_a_run_that_fails_to_be_written_skips_its_snapshot_and_loses_nothing(
         coord._journal.snapshot_bytes = 0
         done += _work(coord, 1, "w1")
         assert coord._state.history.runs
+    assert qh.descriptors_under(root) == []  # the history files of the failed snapshots too
     with (
         SharedFilesystemStore(root, RUN) as store,
         Coordinator(store, exclusive_owner=OWNER, recover=True) as coord,

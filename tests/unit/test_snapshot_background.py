@@ -194,6 +194,7 @@ def test_j5_a_fault_at_each_snapshot_phase_loses_nothing_acknowledged(
             complete(coord, second)
         assert coord.lookup_submission("s-t0") == receipt  # views answer the durable state (J3.2)
         coord.close()
+        assert qh.descriptors_under(coord.directory) == []  # the new segment's too
         again = make(recover=True)
         assert again.lookup_submission("s-t0") == receipt
         assert "late" not in again.tasks  # its frame was never written

@@ -55,8 +55,7 @@ class Compared:
         )
         replayed, _ = coord._replay(coord._limits(), reader, seq)
         assert encode(state_to_dict(state)) == encode(state_to_dict(replayed)), f"snapshot of frame {seq}"
-        for file in replayed.history.files:
-            file.close()
+        replayed.history.close()
         self.snapshots += 1
         return self.spill(coord, state, seq)
 

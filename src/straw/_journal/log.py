@@ -267,22 +267,26 @@ class Journal:
         """Append to segment ``first`` (``fd``) from now on; the previous one ends at its last frame."""
         path = os.path.join(self.wal, _name(first, ".wal"))
         old, old_end = self._fd, self._offset
-        if old >= 0 and self._allocated > old_end:
-            # The previous segment ends at its last frame again (a crash before this leaves a
-            # zero tail there, which replay accepts only because this segment continues it,
-            # and recovery cuts, J4.4).
-            self.backend.fault("before_segment_cut")
-            posix.truncate(old, old_end)
-            self.backend.sync_file(old)
-        elif old < 0:
-            # The same after a recovery (J4.4, J7): if this new segment were ever lost, no older
-            # one may pass for the newest, so each ends at its last frame from now on: the one
-            # replayed last, and any whose switch a crash stopped before its cut (J5.2; then the
-            # segment reused here, holding no frame, follows it). Without that cut, frames
-            # acknowledged here would vanish unnoticed with this segment.
-            for older, end in self._to_cut:
-                if older != path:
-                    durable.cut_tail(older, end, self.backend.sync_file)
+        try:
+            if old >= 0 and self._allocated > old_end:
+                # The previous segment ends at its last frame again (a crash before this leaves a
+                # zero tail there, which replay accepts only because this segment continues it,
+                # and recovery cuts, J4.4).
+                self.backend.fault("before_segment_cut")
+                posix.truncate(old, old_end)
+                self.backend.sync_file(old)
+            elif old < 0:
+                # The same after a recovery (J4.4, J7): if this new segment were ever lost, no
+                # older one may pass for the newest, so each ends at its last frame from now on:
+                # the one replayed last, and any whose switch a crash stopped before its cut
+                # (J5.2; then the segment reused here, holding no frame, follows it). Without
+                # that cut, frames acknowledged here would vanish unnoticed with this segment.
+                for older, end in self._to_cut:
+                    if older != path:
+                        durable.cut_tail(older, end, self.backend.sync_file)
+        except BaseException:
+            posix.close_quietly(fd)  # never written: the failed switch stops the journal (J3)
+            raise
         self._to_cut = []
         self._fd, self._offset = fd, frame.SEGMENT_HEADER_BYTES
         self._durable_end = frame.SEGMENT_HEADER_BYTES

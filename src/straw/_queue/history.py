@@ -210,7 +210,7 @@ class HistoryFile:
         self._block: tuple[int, list[Any]] | None = None  # the last block read, decoded
         self._hashes: tuple[array.array[int], array.array[int], array.array[int]] | None = None
         self._totals: tuple[int, int, int] | None = None  # from the meta row, once read
-        self._read_trailer()
+        _checked(self._read_trailer, source)
         source.close()  # a file is read again only when a lookup needs it (it may never)
 
     def describe(self) -> list[Any]:
@@ -487,17 +487,40 @@ def _probe(
     return None
 
 
+def _checked(read_trailer: Callable[[], None], source: Source) -> None:
+    """A file whose trailer fails its check is not kept: its descriptor is given up."""
+    try:
+        read_trailer()
+    except BaseException:
+        source.close()
+        raise
+
+
+def _all_or_none(opened: Sequence[HistoryFile | IndexRun], build: Callable[[], None]) -> None:
+    """Run ``build`` (which appends to ``opened``); when it fails, close what it opened."""
+    try:
+        build()
+    except BaseException:
+        for item in opened:
+            item.close()
+        raise
+
+
 def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[HistoryFile]:
     """The files a snapshot names (trailers read and checked; indexes loaded when used)."""
-    files = []
-    for name, size, checksum, first, stop, counts in described:
-        found = HistoryFile(str(name), opener(str(name)), int(size), int(checksum))
-        if (found.first, found.stop) != (first, stop):
-            raise found._corrupt(
-                f"it holds positions {found.first}..{found.stop}, its snapshot says {first}..{stop}"
-            )
-        found.counts = dict(counts)
-        files.append(found)
+    files: list[HistoryFile] = []
+
+    def build() -> None:
+        for name, size, checksum, first, stop, counts in described:
+            found = HistoryFile(str(name), opener(str(name)), int(size), int(checksum))
+            files.append(found)
+            if (found.first, found.stop) != (first, stop):
+                raise found._corrupt(
+                    f"it holds positions {found.first}..{found.stop}, its snapshot says {first}..{stop}"
+                )
+            found.counts = dict(counts)
+
+    _all_or_none(files, build)
     return files
 
 
@@ -962,7 +985,7 @@ class IndexRun:
         # one over, and H4 may delete its file meanwhile: the descriptor its trailer read opens
         # stays open until close().
         source.keep_open()
-        self._read_trailer()
+        _checked(self._read_trailer, source)
 
     @property
     def stop(self) -> int:
@@ -1138,14 +1161,18 @@ def open_runs(
 ) -> list[IndexRun]:
     """The runs a snapshot names, each checked to cover contiguous files it lists (trailers read)."""
     runs: list[IndexRun] = []
-    for name, size, checksum, first, count in described:
-        run = IndexRun(str(name), opener(str(name)), int(size), int(checksum), int(first), int(count))
-        expected = runs[-1].stop if runs else 0
-        if run.first != expected or run.stop > len(files):
-            raise run._corrupt(
-                f"it covers files {run.first}..{run.stop}, the snapshot's history {expected}.."
-            )
-        if run.digest != covered_digest(files[run.first : run.stop]):
-            raise run._corrupt("it indexes other history files than the snapshot names")
-        runs.append(run)
+
+    def build() -> None:
+        for name, size, checksum, first, count in described:
+            run = IndexRun(str(name), opener(str(name)), int(size), int(checksum), int(first), int(count))
+            expected = runs[-1].stop if runs else 0
+            runs.append(run)
+            if run.first != expected or run.stop > len(files):
+                raise run._corrupt(
+                    f"it covers files {run.first}..{run.stop}, the snapshot's history {expected}.."
+                )
+            if run.digest != covered_digest(files[run.first : run.stop]):
+                raise run._corrupt("it indexes other history files than the snapshot names")
+
+    _all_or_none(runs, build)
     return runs

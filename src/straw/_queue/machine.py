@@ -41,7 +41,7 @@ from .commits import CommitLog
 from .events import Answer as Answer  # re-exported: the event types live in ``events``
 from .events import Event as Event
 from .events import Receipt
-from .history import History, HistoryFile, Opener, open_files, open_runs
+from .history import History, HistoryFile, IndexRun, Opener, open_files, open_runs
 from .index import Key, PendingIndex, pending_key
 from .ledger import Acked as Acked  # re-exported: the ledger's types, where callers found them
 from .ledger import Consumer as Consumer
@@ -1563,7 +1563,21 @@ def state_from_dict(
         if opener is None:
             raise UnsupportedSchema("this queue snapshot names history files; open it with its directory")
         files = open_files(opener, described)  # trailers only: CorruptData names a bad file
-    runs = open_runs(opener, data.get("history_runs") or [], files) if opener is not None else []
+    runs: list[IndexRun] = []
+    try:
+        if opener is not None:
+            runs = open_runs(opener, data.get("history_runs") or [], files)
+        return _attached(data, limits, files, runs)
+    except BaseException:
+        opened: list[HistoryFile | IndexRun] = [*files, *runs]
+        for item in opened:  # a state that is not built keeps no descriptor
+            item.close()
+        raise
+
+
+def _attached(
+    data: Mapping[str, Any], limits: Mapping[str, int], files: list[HistoryFile], runs: list[IndexRun]
+) -> QueueState:
     try:
         with collector_paused():
             state = _state_from_dict(data, limits)
