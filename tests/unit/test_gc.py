@@ -19,10 +19,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,23 @@ def open_store(
     segment_target_bytes: int = 1 << 30,
 ) -> SharedFilesystemStore:
     backend = FilesystemBackend(root, fault=fault, sleep=_no_sleep, visibility_delays=(0.0,))
-    return SharedFilesystemStore(
+    store = SharedFilesystemStore(
         root, run_id, backend=backend, online_gc=online_gc, segment_target_bytes=segment_target_bytes
     )
+    _opened.append(store)
+    return store
+
+
+#: Stores the test opened; each is closed (again) when it ends, the readers made inline too.
+_opened: list[SharedFilesystemStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_opened_stores() -> Iterator[None]:
+    yield
+    while _opened:
+        with contextlib.suppress(Exception):  # a store a fault left unusable has nothing more to give up
+            _opened.pop().close()
 
 
 def payload(name: str, size: int = 300) -> bytes:
