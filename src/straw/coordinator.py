@@ -255,6 +255,8 @@ class Coordinator:
         #: History files a background snapshot made durable (J5 H3), for the live state to
         #: take over: (file, accepted count it holds up to, ids of the tasks it holds).
         self._spilled: collections.deque[_Spilled] = collections.deque()
+        #: What a read-back after a journal failure replaced (J3.2), whose files close() closes.
+        self._replaced: list[QueueState | _Spilled] = []
         #: Longest copy of the state a snapshot took under the lock (J5.1), in seconds.
         self._copy_seconds_max = 0.0
         store._ensure_catalog()  # I20: before the queue directory exists
@@ -520,10 +522,13 @@ class Coordinator:
             self.backend, self.directory, journal_frame.identity_tag(self.store.run_id, self.queue_id)
         )
         try:
-            stale = self._state
+            replaced = self._state
             self._state, _ = self._replay(self._limits(), reader, self._journal.durable_seq)
+            # The replaced state keeps its files open until close(): a call still reading it
+            # outside the lock must not find one that H4 deleted meanwhile (J5 H3).
+            self._replaced.append(replaced)
+            self._replaced.extend(self._spilled)
             self._spilled.clear()  # the state read back names the history its snapshot names
-            stale.history.close()  # (a reader still holding one of its files opens it again)
         except Exception as error:
             raise UnsafeRecovery(
                 f"coordinator of queue {self.queue_id!r} stopped after {self._broken!r} and its durable "
@@ -1654,10 +1659,13 @@ class Coordinator:
         """Close the history files and runs the state holds, and those of durable snapshots it
         has not taken over yet (a later read of any of them opens it again)."""
         self._state.history.close()
-        for spilled in self._spilled:
-            spilled.file.close()
-            for run in (*(spilled.runs or ()), *spilled.written):
-                run.close()
+        for held in (*self._spilled, *self._replaced):
+            if isinstance(held, _Spilled):
+                held.file.close()
+                for run in (*(held.runs or ()), *held.written):
+                    run.close()
+            else:
+                held.history.close()
 
     def __enter__(self) -> Coordinator:
         return self

@@ -8,6 +8,7 @@ restored nothing was lost; an older snapshot that holds everything still opens.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -31,8 +32,15 @@ from straw._journal import history_io
 from straw._queue import history
 from straw._queue.machine import new_state, state_from_dict, state_to_dict
 from straw._queue.progress import acknowledged
+from straw.backend import FilesystemBackend
 from straw.cli import main
-from straw.errors import CorruptData, IdempotencyConflict, InvalidReference, StaleAttempt
+from straw.errors import (
+    CorruptData,
+    IdempotencyConflict,
+    IndeterminateCommit,
+    InvalidReference,
+    StaleAttempt,
+)
 from straw.inspect import inspect_run
 from straw.limits import HISTORY_UNMERGED_FILES_MAX
 from straw.protocol import CommitReceipt, Lease, Record, RecordSetRef, decode, encode
@@ -361,6 +369,38 @@ def test_checking_and_inspecting_a_pool_over_and_over_keeps_no_history_file_open
         assert why(root, described["packs"][0]["pack"])["exists"]
         assert inspect_run(root)["retained_dependency_errors"] == []
         assert qh.descriptors_under(root) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_coordinator_stopped_by_a_journal_failure_still_answers_and_closes_every_file(
+    tmp_path: Path,
+) -> None:
+    """After a failed journal write, views answer the durable state read back from disk (J3.2);
+    the state it replaces keeps its files (a call may still be reading one) until close()."""
+    root = str(tmp_path)
+    done = _build(root)
+    armed = {"on": False}
+
+    def fault(phase: str) -> None:
+        if armed["on"] and phase == "before_journal_write":
+            raise OSError(5, "Input/output error")
+
+    backend = FilesystemBackend(root, fault=fault)
+    with SharedFilesystemStore(root, RUN, backend=backend) as store:
+        coord = Coordinator(store, exclusive_owner=OWNER, recover=True)
+        _assert_exact(coord, done)  # reads every history file and run
+        runs = [p for p in (tmp_path / "queue" / "hist").iterdir() if p.name.endswith(history.RUN_SUFFIX)]
+        assert runs and _history_descriptors(history.RUN_SUFFIX, root) == len(runs)
+        armed["on"] = True
+        with pytest.raises(IndeterminateCommit):
+            coord.submit_tasks("late", [TaskSpec("late")])
+        armed["on"] = False
+        receipt = done[0][0]
+        assert coord.lookup_submission(receipt.submission_id) == receipt  # from the state read back
+        assert coord.task_status("late") is None  # never durable
+        with contextlib.suppress(Exception):
+            coord.close()
+        assert qh.descriptors_under(tmp_path / "queue") == []
 
 
 def test_live_tasks_answer_from_live_state_without_reading_history(tmp_path: Path) -> None:
