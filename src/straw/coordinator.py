@@ -256,7 +256,9 @@ class Coordinator:
         #: take over: (file, accepted count it holds up to, ids of the tasks it holds).
         self._spilled: collections.deque[_Spilled] = collections.deque()
         #: What a read-back after a journal failure replaced (J3.2), whose files close() closes.
-        self._replaced: list[QueueState | _Spilled] = []
+        self._replaced: list[QueueState] = []
+        #: Snapshots it had not taken over then: closed by close() too.
+        self._dropped: list[_Spilled] = []
         #: Longest copy of the state a snapshot took under the lock (J5.1), in seconds.
         self._copy_seconds_max = 0.0
         store._ensure_catalog()  # I20: before the queue directory exists
@@ -527,7 +529,7 @@ class Coordinator:
             # The replaced state keeps its files open until close(): a call still reading it
             # outside the lock must not find one that H4 deleted meanwhile (J5 H3).
             self._replaced.append(replaced)
-            self._replaced.extend(self._spilled)
+            self._dropped.extend(self._spilled)
             self._spilled.clear()  # the state read back names the history its snapshot names
         except Exception as error:
             raise UnsafeRecovery(
@@ -729,8 +731,9 @@ class Coordinator:
 
     @staticmethod
     def _drop_orphan(spilled: _Spilled | None) -> None:
-        """A history file no durable snapshot names (H1): its descriptor is closed; H4 of the
-        next snapshot deletes the file."""
+        """Close a spilled history file and the runs its snapshot wrote: an orphan no durable
+        snapshot names (H1; H4 of the next snapshot deletes the file), or anything spilled
+        once the coordinator ends."""
         if spilled is not None:
             spilled.file.close()
             for run in spilled.written:
@@ -1658,14 +1661,10 @@ class Coordinator:
     def _let_go_of_history(self) -> None:
         """Close the history files and runs the state holds, and those of durable snapshots it
         has not taken over yet (a later read of any of them opens it again)."""
-        self._state.history.close()
-        for held in (*self._spilled, *self._replaced):
-            if isinstance(held, _Spilled):
-                held.file.close()
-                for run in (*(held.runs or ()), *held.written):
-                    run.close()
-            else:
-                held.history.close()
+        for state in (self._state, *self._replaced):
+            state.history.close()
+        for spilled in (*self._spilled, *self._dropped):
+            self._drop_orphan(spilled)  # (its other runs are the state's, closed above)
 
     def __enter__(self) -> Coordinator:
         return self
