@@ -303,6 +303,7 @@ def test_the_peer_phase_names_are_heard_at_the_equivalent_points(tmp_path: Path)
     backend.fault = None
     store.publish([Record("c", b"c")], submission_id="s3")
     assert len(phases) == 9  # no hook: nothing more heard
+    store.close()
 
 
 # --------------------------------------------------------------------------- metrics
@@ -344,3 +345,4 @@ def test_metrics_count_the_syncs_of_store_writes(tmp_path: Path) -> None:
     assert after["dir_syncs"] == first["dir_syncs"]
     assert after["files_created"] == first["files_created"]
     assert store.metrics["syncs"] == after["syncs"]
+    store.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,8 +378,24 @@ def pool(tmp_path: Path) -> Path:
     return root
 
 
+#: Catalogs the test made; each gives its lock file up when the test ends.
+_made: list[Catalog] = []
+
+
+def _tracked(catalog: Catalog) -> Catalog:
+    _made.append(catalog)
+    return catalog
+
+
+@pytest.fixture(autouse=True)
+def _close_made_catalogs() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def _catalog(root: Path, fault: Callable[[str], None] | None = None) -> Catalog:
-    return Catalog(FilesystemBackend(root, fault=fault))
+    return _tracked(Catalog(FilesystemBackend(root, fault=fault)))
 
 
 def _append(catalog: Catalog, *events: dict[str, Any]) -> None:
@@ -707,13 +723,13 @@ def _retain_events(catalog: Catalog, count: int, start: int = 0) -> None:
 def test_g7_compaction_keeps_every_client_view_equal(pool: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(catalog_log, "CATALOG_COMPACT_BYTES_MIN", 1500)
     backend = FilesystemBackend(pool)
-    first, second = Catalog(backend), Catalog(backend)
+    first, second = _tracked(Catalog(backend)), _tracked(Catalog(backend))
     for round_ in range(4):
         _retain_events(first, 40, start=round_ * 80)
         _retain_events(second, 40, start=round_ * 80 + 40)
     assert first.metrics["compactions"] + second.metrics["compactions"] >= 3
     views = []
-    for catalog in (first, second, Catalog(backend)):
+    for catalog in (first, second, _tracked(Catalog(backend))):
         with catalog.locked() as cat:
             views.append(cat.state.to_dict())
     assert views[0] == views[1] == views[2]
@@ -724,7 +740,7 @@ def test_g7_compaction_keeps_every_client_view_equal(pool: Path, monkeypatch: py
 
 def test_g7_crash_between_snapshot_and_new_log_skips_the_old_frames(pool: Path) -> None:
     backend = FilesystemBackend(pool)
-    catalog = Catalog(backend)
+    catalog = _tracked(Catalog(backend))
     _retain_events(catalog, 10)
     with catalog.locked() as cat:
         want = cat.state.to_dict()
@@ -734,7 +750,7 @@ def test_g7_crash_between_snapshot_and_new_log_skips_the_old_frames(pool: Path) 
         frame_header, _ = frame.encode_frame(seq, chain, body)
         # The first of G7's two replacements only: the old log still holds every frame.
         (pool / "catalog" / "snapshot").write_bytes(header + frame_header + body)
-    fresh = Catalog(backend)
+    fresh = _tracked(Catalog(backend))
     with fresh.locked() as cat:
         assert cat.state.to_dict() == want
         cat.append([{"op": "release", "owner": "o9"}])
@@ -745,12 +761,12 @@ def test_g7_crash_between_snapshot_and_new_log_skips_the_old_frames(pool: Path) 
 def test_g7_damaged_snapshot_fails_closed(pool: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(catalog_log, "CATALOG_COMPACT_BYTES_MIN", 500)
     backend = FilesystemBackend(pool)
-    _retain_events(Catalog(backend), 30)
+    _retain_events(_tracked(Catalog(backend)), 30)
     snapshot = pool / "catalog" / "snapshot"
     data = bytearray(snapshot.read_bytes())
     data[-5] ^= 0x01
     snapshot.write_bytes(bytes(data))
-    with pytest.raises(CorruptData, match="snapshot"), Catalog(backend).locked():
+    with pytest.raises(CorruptData, match="snapshot"), _tracked(Catalog(backend)).locked():
         pass
 
 
