@@ -496,21 +496,16 @@ def _checked(read_trailer: Callable[[], None], source: Source) -> None:
         raise
 
 
-def _all_or_none(opened: Sequence[HistoryFile | IndexRun], build: Callable[[], None]) -> None:
-    """Run ``build`` (which appends to ``opened``); when it fails, close what it opened."""
-    try:
-        build()
-    except BaseException:
-        for item in opened:
-            item.close()
-        raise
+def close_all(opened: Iterable[HistoryFile | IndexRun]) -> None:
+    """Give up the descriptors of history files and runs (a later read opens them again)."""
+    for item in opened:
+        item.close()
 
 
 def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[HistoryFile]:
     """The files a snapshot names (trailers read and checked; indexes loaded when used)."""
     files: list[HistoryFile] = []
-
-    def build() -> None:
+    try:
         for name, size, checksum, first, stop, counts in described:
             found = HistoryFile(str(name), opener(str(name)), int(size), int(checksum))
             files.append(found)
@@ -519,8 +514,9 @@ def open_files(opener: Opener, described: Sequence[Sequence[Any]]) -> list[Histo
                     f"it holds positions {found.first}..{found.stop}, its snapshot says {first}..{stop}"
                 )
             found.counts = dict(counts)
-
-    _all_or_none(files, build)
+    except BaseException:
+        close_all(files)  # a snapshot that fails to open keeps no descriptor
+        raise
     return files
 
 
@@ -861,10 +857,7 @@ class History:
         return {file.name for file in self.files} | {run.name for run in self.runs}
 
     def close(self) -> None:
-        for file in self.files:
-            file.close()
-        for run in self.runs:
-            run.close()
+        close_all([*self.files, *self.runs])
 
 
 def _file_entries(file: HistoryFile) -> int:
@@ -1161,8 +1154,7 @@ def open_runs(
 ) -> list[IndexRun]:
     """The runs a snapshot names, each checked to cover contiguous files it lists (trailers read)."""
     runs: list[IndexRun] = []
-
-    def build() -> None:
+    try:
         for name, size, checksum, first, count in described:
             run = IndexRun(str(name), opener(str(name)), int(size), int(checksum), int(first), int(count))
             expected = runs[-1].stop if runs else 0
@@ -1173,6 +1165,7 @@ def open_runs(
                 )
             if run.digest != covered_digest(files[run.first : run.stop]):
                 raise run._corrupt("it indexes other history files than the snapshot names")
-
-    _all_or_none(runs, build)
+    except BaseException:
+        close_all(runs)
+        raise
     return runs

@@ -41,7 +41,7 @@ from .commits import CommitLog
 from .events import Answer as Answer  # re-exported: the event types live in ``events``
 from .events import Event as Event
 from .events import Receipt
-from .history import History, HistoryFile, IndexRun, Opener, open_files, open_runs
+from .history import History, HistoryFile, IndexRun, Opener, close_all, open_files, open_runs
 from .index import Key, PendingIndex, pending_key
 from .ledger import Acked as Acked  # re-exported: the ledger's types, where callers found them
 from .ledger import Consumer as Consumer
@@ -1569,9 +1569,7 @@ def state_from_dict(
             runs = open_runs(opener, data.get("history_runs") or [], files)
         return _attached(data, limits, files, runs)
     except BaseException:
-        opened: list[HistoryFile | IndexRun] = [*files, *runs]
-        for item in opened:  # a state that is not built keeps no descriptor
-            item.close()
+        close_all([*files, *runs])  # a state that is not built keeps no descriptor
         raise
 
 
