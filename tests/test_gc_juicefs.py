@@ -29,6 +29,7 @@ from typing import IO, Any
 import pytest
 
 from child_io import CHILD_TIMEOUT_S, children, read_line, send
+from queue_helpers import descriptors_under
 from straw.backend import FilesystemBackend
 from straw.protocol import Record, RecordSetRef, as_dict
 from straw.store import SharedFilesystemStore
@@ -272,6 +273,28 @@ def test_i13_a_pin_on_client_a_keeps_data_alive_against_a_collector_on_b(
     result = _collect_once(path_b, declaration)
     assert (result["reclaimed_files"], result["owners"]) == (1, 0)
     assert _packs(path_a) == set()
+    reader.close()
+
+
+def test_d5_2b_a_reader_on_a_lets_go_of_a_pack_a_collector_on_b_removed(
+    juicefs_pool: tuple[Path, Path], juicefs_clients: Any
+) -> None:
+    """An open descriptor keeps a removed file's chunks in the volume: client A's reader closes
+    it once it sees (through A's fresh attributes) that client B's collection unlinked it."""
+    path_a, path_b = juicefs_pool
+    declaration = juicefs_clients.declaration
+    writer = open_store(path_a, declaration, segment_target_bytes=0)
+    refs = [publish(writer, f"p{i}") for i in range(2)]
+    writer.close()
+    gone = refs[0].manifest.segment.path
+    reader = open_store(path_a, declaration)
+    with reader.pin([refs[1]]), reader.read_session() as session:
+        assert [bytes(r.payload) for r in session.read(refs[0])] == [payload("p0")]
+        assert _collect_once(path_b, declaration)["reclaimed_files"] == 1
+        assert _packs(path_a) == {refs[1].manifest.segment.path}
+        assert [path for path in descriptors_under(path_a) if gone in path]
+        assert [bytes(r.payload) for r in session.read(refs[1])] == [payload("p1")]
+        assert not [path for path in descriptors_under(path_a) if gone in path]
     reader.close()
 
 

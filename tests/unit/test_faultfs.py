@@ -144,6 +144,20 @@ def test_crash_makes_descriptors_stale_and_drops_locks() -> None:
     assert fd >= 1 << 20  # a stray real os call on a fake descriptor fails
 
 
+def test_link_count_of_an_open_file_follows_its_names() -> None:
+    fs = fresh(0)
+    fs.close(durable_file(fs, "/d/a", b"x"))
+    fd = fs.open("/d/a", os.O_RDONLY)
+    assert fs.fstat_links(fd) == 1
+    fs.link("/d/a", "/d/b")
+    assert fs.fstat_links(fd) == 2
+    fs.unlink("/d/a")
+    fs.unlink("/d/b")
+    assert fs.fstat_links(fd) == 0  # deleted, still open: its bytes are still readable
+    assert fs.pread(fd, 1, 0) == b"x"
+    fs.close(fd)
+
+
 def test_fail_after_loses_power_inside_an_operation() -> None:
     fs = fresh(0)
     fs.fail_after(2)

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 import straw._pack.writer as writer_module
+from queue_helpers import descriptors_under
 from straw._catalog.log import Catalog
 from straw._fs import lock
 from straw.backend import FilesystemBackend
@@ -881,6 +882,28 @@ def test_a_reader_with_the_pack_open_keeps_reading_a_new_reader_is_refused(root:
     # The dead writer's directory went with its last pack: nothing of it is in the pool any more.
     with pytest.raises(InvalidReference, match=re.escape(pack(ref)) + ".*garbage-collected"):
         list(open_store(root).read(ref))
+
+
+def test_a_reader_lets_go_of_a_collected_pack_once_it_opens_another(root: Path) -> None:
+    """D5.2b: a cached descriptor does not keep a collected pack's blocks allocated for long."""
+    writer = open_store(root, segment_target_bytes=0, online_gc=True)
+    gone, kept = pub(writer, "a"), pub(writer, "b")
+    assert pack(gone) != pack(kept)
+    with open_store(root).read_session() as session:
+        assert [bytes(r.payload) for r in session.read(gone)] == [p for _, p in want("a")]
+        writer.release_publications([gone])
+        assert writer.collect_garbage()["reclaimed_files"] == 1
+        held = [path for path in descriptors_under(root) if pack(gone) in path]
+        assert held and all(path.endswith("(deleted)") for path in held)
+        # Until it opens another pack the session still reads the one it has open ...
+        assert [bytes(r.payload) for r in session.read(gone)] == [p for _, p in want("a")]
+        assert [bytes(r.payload) for r in session.read(kept)] == [p for _, p in want("b")]
+        # ... and then no descriptor holds the collected file: its space is free.
+        assert not [path for path in descriptors_under(root) if pack(gone) in path]
+        assert [path for path in descriptors_under(root) if pack(kept) in path]
+        with pytest.raises(StorageUnavailable, match=re.escape(pack(gone))):
+            list(session.read(gone))
+    writer.close()
 
 
 def test_a_new_reader_of_a_collected_pack_whose_writer_has_others_gets_storage_unavailable(

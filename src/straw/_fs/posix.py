@@ -255,6 +255,12 @@ def fstat_size(fd: int) -> int:
     return _system.current.fstat_size(fd)
 
 
+def fstat_links(fd: int) -> int:
+    """How many names an open file has: 0 once every one was removed (the file lives on, and
+    keeps its blocks allocated, only while a descriptor holds it)."""
+    return _system.current.fstat_links(fd)
+
+
 def listdir(path: str) -> list[str]:
     return _system.current.listdir(path)
 

@@ -36,6 +36,7 @@ class System(Protocol):
     def fsync(self, fd: int, /) -> None: ...
     def ftruncate(self, fd: int, size: int, /) -> None: ...
     def fstat_size(self, fd: int, /) -> int: ...
+    def fstat_links(self, fd: int, /) -> int: ...
     def map_private(self, fd: int, offset: int, size: int, /) -> memoryview: ...
     def flock(self, fd: int, operation: int, /) -> None: ...
     def rename(self, source: str, target: str, /) -> None: ...
@@ -53,6 +54,10 @@ class System(Protocol):
 
 def _fstat_size(fd: int) -> int:
     return os.fstat(fd).st_size
+
+
+def _fstat_links(fd: int) -> int:
+    return os.fstat(fd).st_nlink
 
 
 def _realpath(path: str) -> str:
@@ -107,6 +112,7 @@ class OsSystem:
     start_writeback = staticmethod(_start_writeback)
     ftruncate = staticmethod(os.ftruncate)
     fstat_size = staticmethod(_fstat_size)
+    fstat_links = staticmethod(_fstat_links)
     map_private = staticmethod(_map_private)
     flock = staticmethod(fcntl.flock)
     rename = staticmethod(os.rename)

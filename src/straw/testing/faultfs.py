@@ -494,6 +494,20 @@ class FaultFS:
         node = self._handle(fd).node
         return len(node.data) if isinstance(node, _File) else 4096
 
+    def fstat_links(self, fd: int, /) -> int:
+        """The names the open node has in the current tree (hard links counted)."""
+        node = self._handle(fd).node
+        if isinstance(node, _Dir):
+            return 1
+        count, todo = 0, [self.root]
+        while todo:  # bounded by the simulated tree
+            for child in todo.pop().entries.values():
+                if child is node:
+                    count += 1
+                elif isinstance(child, _Dir):
+                    todo.append(child)
+        return count
+
     def map_private(self, fd: int, offset: int, size: int, /) -> memoryview:
         node = self._file(fd, write=False)  # a private copy, as a copy-on-write mapping behaves
         if offset + size > len(node.data):
