@@ -15,6 +15,8 @@ unset/anything else = use JuiceFS when possible, skip with the reason otherwise;
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import shutil
 import uuid
@@ -26,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import juicefs_mount
+import straw.tensor
 
 # Hypothesis times each example (its deadline) and the first examples together (the too_slow
 # health check) by the wall clock. No test here asserts speed (that is the benchmarks' job), and
@@ -36,6 +39,46 @@ settings.load_profile("straw")
 
 #: Bound on how long a directory created through A may take to show up through B.
 _POOL_VISIBILITY_TIMEOUT_S = 10.0
+
+
+def _files_open_under(root: str) -> dict[int, str]:
+    """This process's descriptors of files under ``root`` (Linux ``/proc``): number -> path."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(root):
+                found[int(fd)] = target
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_descriptor_left(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Every test gives up the files it opened under the session's temporary directory.
+
+    A store, coordinator, catalog or reader that keeps a descriptor after it is closed (or
+    a failed open that keeps one) fails the test that did it, named with the files. The
+    process-wide read sessions of ``straw.tensor`` keep packs open on purpose (bounded by
+    ``OPEN_PACKS_MAX``): the pools they belong to are detached first, as a process would
+    at its end. Fixtures of narrower scope (the rollout tests' cached writers) close before.
+    """
+    root = os.path.realpath(tmp_path_factory.getbasetemp()) + os.sep
+    before = set(_files_open_under(root))
+    yield
+    for pool_root in list(straw.tensor._pools):
+        straw.tensor.detach(pool_root)
+    left = {fd: path for fd, path in _files_open_under(root).items() if fd not in before}
+    if left:
+        gc.collect()  # a cycle that holds a closed object's last reference (finalizers close)
+        left = {fd: path for fd, path in _files_open_under(root).items() if fd not in before}
+    if left and not os.environ.get("STRAW_FD_GUARD_REPORT"):
+        # (Not closed here: the object that owns a descriptor may still close it later, by
+        # number, when that number names another file. The next tests count from here.)
+        pytest.fail(f"the test left {len(left)} file(s) open: {sorted(set(left.values()))}", pytrace=False)
+    elif left:
+        print(f"\nLEFT-OPEN {request.node.nodeid}: {sorted(set(left.values()))}")
 
 
 def pytest_configure(config: pytest.Config) -> None:

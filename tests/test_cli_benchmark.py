@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from straw import Record, SharedFilesystemStore
+from queue_helpers import descriptors_under
+from straw import Record, SharedFilesystemStore, tracing
 from straw._benchmark.profile import build_profile
 from straw.benchmark import main, profile
 
@@ -33,7 +34,10 @@ def test_a_real_trace_profiles_to_its_publications_and_reads(
         one = store.publish([Record("a", b"x" * 1000), Record("b", b"y" * 24)], submission_id="one")
         store.publish([Record("c", b"z" * 500)], submission_id="two")
         assert [r.payload for r in store.read(one)] == [b"x" * 1000, b"y" * 24]
+    assert descriptors_under(trace)  # the trace file stays open while tracing is on
     monkeypatch.delenv("STRAW_TRACE_DIR")
+    assert not tracing.enabled()
+    assert not descriptors_under(trace)  # turned off: its file is closed
     output = tmp_path / "profile.json"
     report = profile(argparse.Namespace(trace=str(trace), output=str(output)))
     assert json.loads(output.read_text()) == report

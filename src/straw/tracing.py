@@ -13,6 +13,7 @@ without syncs and a failure to write one is not an error of the traced call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -31,7 +32,17 @@ _open: dict[str, Any] = {"key": None, "stream": None}
 
 
 def enabled() -> bool:
-    return bool(os.environ.get(TRACE_DIR_ENV))
+    """Whether tracing is on; once it is turned off, the open trace file is closed."""
+    if os.environ.get(TRACE_DIR_ENV):
+        return True
+    if _open["stream"] is not None:
+        with _lock:
+            stream = _open["stream"]
+            _open.update(key=None, stream=None)
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    return False
 
 
 def _stream(directory: str) -> IO[str]:

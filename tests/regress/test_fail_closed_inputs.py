@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,12 @@ def _json(store: SharedFilesystemStore, name: str, body: object, codec: str = "j
 
 
 @pytest.fixture
-def queue(tmp_path: Path) -> tuple[SharedFilesystemStore, Coordinator]:
+def queue(tmp_path: Path) -> Iterator[tuple[SharedFilesystemStore, Coordinator]]:
     store = SharedFilesystemStore(tmp_path / "pool", RUN)
     coord = Coordinator(store, exclusive_owner="inputs", clock=qh.Clock())
-    return store, coord
+    yield store, coord
+    coord.close()
+    store.close()
 
 
 def _refused(coord: Coordinator, error: type[BaseException], fragment: str, call: Callable[[], Any]) -> None:
@@ -328,8 +330,10 @@ def test_store_and_coordinator_arguments_are_checked(tmp_path: Path, monkeypatch
     assert list(tmp_path.iterdir()) == [], "no pool was made in the current directory"
     with pytest.raises(ValueError, match="segment_target_bytes"):
         SharedFilesystemStore(tmp_path / "pool", RUN, segment_target_bytes=True)
+    unicode = SharedFilesystemStore(tmp_path / "pool", RUN)
     with pytest.raises(ValueError, match="record_id is not valid Unicode"):
-        SharedFilesystemStore(tmp_path / "pool", RUN).publish([Record("r\ud800", b"x")], submission_id="s")
+        unicode.publish([Record("r\ud800", b"x")], submission_id="s")
+    unicode.close()
     store = SharedFilesystemStore(tmp_path / "pool", RUN)
     for bad in (None, 7):
         with pytest.raises(TypeError, match="explain takes a pool-relative pack path"):
@@ -341,6 +345,7 @@ def test_store_and_coordinator_arguments_are_checked(tmp_path: Path, monkeypatch
     )
     # The refused constructor left the queue free: a real one opens it.
     Coordinator(store, exclusive_owner="o").close()
+    store.close()
 
 
 # --------------------------------------------------------------------------- item 4: full disks

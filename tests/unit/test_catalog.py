@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from queue_helpers import descriptors_under
 from straw._catalog import log as catalog_log
 from straw._catalog.log import Catalog, describe
 from straw._catalog.state import RECORDS_ONLY, RESERVED_PREFIXES, CatalogState, PackInfo, writer_of
@@ -473,6 +474,20 @@ def test_one_frame_per_append_with_its_events_in_order(pool: Path) -> None:
     assert catalog.metrics["appends"] == 2
     assert catalog.metrics["syncs"] == 2
     catalog.close()
+
+
+def test_a_closed_catalog_still_runs_sections_and_keeps_nothing_open_after_them(pool: Path) -> None:
+    catalog = _catalog(pool)
+    _append(catalog, {"op": "retain", "owner": "before", "packs": [P1]})
+    assert descriptors_under(pool / "catalog")  # the lock file stays open between sections
+    catalog.close()
+    assert not descriptors_under(pool / "catalog")
+    _append(catalog, {"op": "retain", "owner": "after", "packs": [P2]})  # (a call through a closed store)
+    assert not descriptors_under(pool / "catalog")
+    assert sorted(_fresh_state(pool).owners) == ["after", "before"]
+    other = _catalog(pool)  # the closed catalog's section released the lock
+    _append(other, {"op": "release", "owner": "after"})
+    other.close()
 
 
 def test_two_catalogs_on_one_pool_exclude_each_other_and_see_each_others_events(pool: Path) -> None:

@@ -153,7 +153,9 @@ def test_try_lock_excludes_other_processes_until_released_or_killed(tmp_path: Pa
         assert again is not None and again.held
         assert try_lock(path) is None  # a second descriptor of this process is refused too
     assert not again.held
-    assert try_lock(path) is not None
+    last = try_lock(path)
+    assert last is not None
+    last.release()
 
 
 def test_try_lock_bad_input(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
         server.shutdown()
         server.server_close()
         coordinator.close()
+        coordinator.store.close()
 
 
 def test_a_task_round_trips_through_the_transport(served: tuple[Coordinator, str]) -> None:
@@ -200,6 +201,7 @@ def test_bad_client_and_server_arguments_are_refused(tmp_path: Path) -> None:
             serve(coordinator, ("127.0.0.1", 0), token="")
     finally:
         coordinator.close()
+        coordinator.store.close()
 
 
 def test_serve_reports_its_bound_address_and_answers(tmp_path: Path) -> None:
@@ -221,7 +223,8 @@ def test_serve_reports_its_bound_address_and_answers(tmp_path: Path) -> None:
     assert host == "127.0.0.1" and port > 0
     assert QueueClient(f"http://{host}:{port}", token=TOKEN).call("seal_input", request_id="s") is not None
     assert coordinator.acquire("w").status == "end_of_input"
-    coordinator.close()
+    coordinator.close()  # (the server answers until the process ends: refusals from here on)
+    coordinator.store.close()
 
 
 def test_a_server_side_bug_is_a_runtime_error_not_a_queue_error(

@@ -56,6 +56,7 @@ class Catalog:
         self._tail = b""  # the last bytes before _offset, as this view read or wrote them
         self._header = b""  # the log's segment header as this view last verified it
         self._fd = -1  # the log, opened by this section's catch-up (G2) for its append (G3)
+        self._closed = False  # closed: sections still work, and keep no descriptor after them
         self.metrics = {"appends": 0, "syncs": 0, "frames_read": 0, "compactions": 0}
 
     # -- the exclusive section (G1) ---------------------------------------------------
@@ -87,7 +88,11 @@ class Catalog:
             finally:
                 self._held = False
                 self._drop_fd()
-                lock.unlock_only(self._lock_fd)
+                if self._closed:  # a call through a closed store: nothing stays open after it
+                    posix.close_quietly(self._lock_fd)  # (closing releases the lock)
+                    self._lock_fd = -1
+                else:
+                    lock.unlock_only(self._lock_fd)
 
     def _drop_fd(self) -> None:
         if self._fd >= 0:
@@ -95,7 +100,10 @@ class Catalog:
             self._fd = -1
 
     def close(self) -> None:
+        """Give up the lock file's descriptor. Sections may still run afterwards (a call
+        through a closed store that it still answers); each then opens and closes its own."""
         with self._mutex:
+            self._closed = True
             if self._lock_fd >= 0:
                 posix.close_quietly(self._lock_fd)
                 self._lock_fd = -1
