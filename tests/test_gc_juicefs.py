@@ -133,6 +133,14 @@ def _collect_once(root: Path, declaration: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _published_by_a_dead_writer(root: Path, declaration: dict[str, Any], count: int) -> list[RecordSetRef]:
+    """``p0``..``p<count-1>``, each in its own pack, by a writer that has closed since."""
+    writer = open_store(root, declaration, segment_target_bytes=0)
+    refs = [publish(writer, f"p{i}") for i in range(count)]
+    writer.close()
+    return refs
+
+
 def _packs(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.glob("raw/*/*") if p.suffix in (".pack", ".seg")}
 
@@ -258,9 +266,7 @@ def test_i13_a_pin_on_client_a_keeps_data_alive_against_a_collector_on_b(
 ) -> None:
     path_a, path_b = juicefs_pool
     declaration = juicefs_clients.declaration
-    writer = open_store(path_a, declaration, segment_target_bytes=0)
-    refs = [publish(writer, f"p{i}") for i in range(3)]
-    writer.close()
+    refs = _published_by_a_dead_writer(path_a, declaration, 3)
     pinned = refs[1].manifest.segment.path
     reader = open_store(path_a, declaration)
     with reader.pin([refs[1]]) as pin_owner:
@@ -283,9 +289,7 @@ def test_d5_2b_a_reader_on_a_lets_go_of_a_pack_a_collector_on_b_removed(
     it once it sees (through A's fresh attributes) that client B's collection unlinked it."""
     path_a, path_b = juicefs_pool
     declaration = juicefs_clients.declaration
-    writer = open_store(path_a, declaration, segment_target_bytes=0)
-    refs = [publish(writer, f"p{i}") for i in range(2)]
-    writer.close()
+    refs = _published_by_a_dead_writer(path_a, declaration, 2)
     gone = refs[0].manifest.segment.path
     reader = open_store(path_a, declaration)
     with reader.pin([refs[1]]), reader.read_session() as session:
