@@ -369,7 +369,7 @@ class PackReader:
 
     def _let_go_of_collected(self) -> None:
         """Close the cached descriptors of packs that no longer have a name (a collection
-        unlinked them, G5). A descriptor keeps a deleted file's blocks allocated (on JuiceFS,
+        unlinked them, G4). A descriptor keeps a deleted file's blocks allocated (on JuiceFS,
         its chunks), so a long-lived reader (a trainer rank, a tensor session) would otherwise
         hold up to ``max_open`` collected packs' space until it opened that many others. Looked
         at each time another pack is opened: one ``fstat`` per cached descriptor (D5.2b)."""
