@@ -1,6 +1,6 @@
 """A small JSON control transport for a coordinator, for hosts outside Ray (the peer's API).
 
-``serve(coordinator, (host, port), token=..., ready=None)`` answers HTTP ``POST`` requests
+``serve(coordinator, (host, port), token=..., ready=None, stop=None)`` answers HTTP ``POST`` requests
 ``{"method": name, "args": {...}}`` by calling that coordinator method, and replies
 ``{"result": ...}`` (dataclasses as their ``asdict`` forms) or, for a refused call,
 ``{"error": class name, "message": text}``. ``QueueClient(address, token=...)`` is the
@@ -193,17 +193,34 @@ def serve(
     *,
     token: str,
     ready: Callable[[tuple[str, int]], object] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Answer control requests for ``coordinator`` at ``address`` until the process ends.
+    """Answer control requests for ``coordinator`` at ``address`` until the process ends, or
+    until ``stop`` is set (an extension: then it returns with its socket closed).
 
     ``ready`` is called with the bound ``(host, port)`` once requests are accepted (port 0
     picks a free one).
     """
+    if stop is not None and not isinstance(stop, threading.Event):
+        raise TypeError(f"stop is a threading.Event, got {type(stop).__name__}")
     with _server(coordinator, address, token) as server:
         if ready is not None:
             host, port = server.server_address[:2]
             ready((str(host), int(port)))
+        if stop is None:
+            server.serve_forever()
+            return
+        watcher = threading.Thread(
+            target=_shut_down_when, args=(stop, server), name="straw-rpc-stop", daemon=True
+        )
+        watcher.start()
         server.serve_forever()
+        watcher.join()
+
+
+def _shut_down_when(stop: threading.Event, server: _Server) -> None:
+    stop.wait()
+    server.shutdown()  # serve_forever returns once its loop sees the request
 
 
 class QueueClient:

@@ -213,17 +213,28 @@ def test_serve_reports_its_bound_address_and_answers(tmp_path: Path) -> None:
         bound.append(address)
         ready.set()
 
+    stop = threading.Event()
     thread = threading.Thread(
-        target=serve, args=(coordinator, ("127.0.0.1", 0)), kwargs={"token": TOKEN, "ready": on_ready}
+        target=serve,
+        args=(coordinator, ("127.0.0.1", 0)),
+        kwargs={"token": TOKEN, "ready": on_ready, "stop": stop},
     )
     thread.daemon = True
     thread.start()
     assert ready.wait(10)
     host, port = bound[0]
     assert host == "127.0.0.1" and port > 0
-    assert QueueClient(f"http://{host}:{port}", token=TOKEN).call("seal_input", request_id="s") is not None
+    client = QueueClient(f"http://{host}:{port}", token=TOKEN, timeout=5)
+    assert client.call("seal_input", request_id="s") is not None
     assert coordinator.acquire("w").status == "end_of_input"
-    coordinator.close()  # (the server answers until the process ends: refusals from here on)
+    stop.set()  # serve returns, its socket closed: nothing answers there any more
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(StorageUnavailable):
+        client.call("metrics")
+    with pytest.raises(TypeError, match=r"stop is a threading\.Event"):
+        serve(coordinator, ("127.0.0.1", 0), token=TOKEN, stop=True)  # type: ignore[arg-type]
+    coordinator.close()
     coordinator.store.close()
 
 
