@@ -1016,3 +1016,38 @@ def test_I4_remembered_answers_are_bounded_by_references_not_only_submissions(
         )
         == big
     )
+
+
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+from straw import Record, SharedFilesystemStore
+from straw.errors import StorageUnavailable
+root = sys.argv[1]
+writer = SharedFilesystemStore(root, "fds", segment_target_bytes=0)
+refs = [writer.publish([Record(f"r{i}", b"x" * 100)], submission_id=f"s{i}") for i in range(4)]
+writer.close()
+reader = SharedFilesystemStore(root, "fds")
+list(reader.read(refs[0]))  # the first pack is open: every later read needs another descriptor
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+try:
+    for ref in refs[1:]:
+        list(reader.read(ref))
+except StorageUnavailable as error:
+    print(error)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_running_out_of_descriptors_is_storage_unavailable_naming_the_limit(tmp_path: Path) -> None:
+    """EMFILE is not a mount problem: the error says to raise the limit or close what is unused."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "Errno 24" in done.stdout, done.stdout + done.stderr
+    assert "too many files open: raise the limit (ulimit -n)" in done.stdout
+    assert "check the mount" not in done.stdout

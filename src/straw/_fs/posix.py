@@ -20,6 +20,7 @@ from . import system as _system
 Buffer = bytes | bytearray | memoryview
 
 _QUOTA_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_DESCRIPTOR_ERRNOS = {errno.EMFILE, errno.ENFILE}
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
@@ -27,9 +28,15 @@ _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 def storage_error(error: OSError, what: str) -> StorageUnavailable:
     """Translate an OS error into straw's tree, keeping the OS text."""
     cls = QuotaExceeded if error.errno in _QUOTA_ERRNOS else StorageUnavailable
-    hint = (
-        "free space or raise the quota, then retry" if cls is QuotaExceeded else "check the mount, then retry"
-    )
+    if cls is QuotaExceeded:
+        hint = "free space or raise the quota, then retry"
+    elif error.errno in _DESCRIPTOR_ERRNOS:
+        hint = (
+            "this process or system has too many files open: raise the limit (ulimit -n), or close "
+            "the stores, read sessions and straw.tensor pools (detach) it no longer uses"
+        )
+    else:
+        hint = "check the mount, then retry"
     reason = error.strerror or str(error)
     result = cls(f"{what} failed: [Errno {error.errno}] {reason} ({hint})")
     result.__cause__ = error
