@@ -184,6 +184,12 @@ TENSOR_DIMS_MAX = 64
 #: Longest tensor kind name in UTF-8 bytes.
 KIND_BYTES_MAX = 256
 
+#: Pools ``straw.tensor`` keeps attached on its own (a reference's root, a store passed as
+#: ``reader=``), each with read sessions holding up to OPEN_PACKS_MAX descriptors per thread.
+#: Past it the least recently attached is forgotten (re-attached by its next read); pools
+#: named by ``attach()`` or STRAW_POOL_ROOTS do not count and stay.
+ATTACHED_POOLS_MAX = 16
+
 #: Writer directories remembered per process as "found in this attached pool" (a cache:
 #: forgetting costs one stat per attached pool on the next read of that writer's packs).
 WRITERS_CACHED_MAX = 65536

@@ -33,6 +33,7 @@ from ._fs import posix
 from .backend import FilesystemBackend
 from .errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
 from .limits import (
+    ATTACHED_POOLS_MAX,
     CHUNK_BYTES,
     KIND_BYTES_MAX,
     TENSOR_DESCRIPTIONS_CACHED,
@@ -114,7 +115,8 @@ class _Pool:
             session.close()
 
 
-_pools: dict[str, _Pool] = {}
+_pools: dict[str, _Pool] = {}  # oldest attached first
+_kept: set[str] = set()  # roots attach() or STRAW_POOL_ROOTS named: never forgotten on their own
 _writers: dict[str, _Pool] = {}  # writer id -> the attached pool holding its directory
 _pools_lock = threading.Lock()
 _env_seen: list[str | None] = [None]
@@ -124,8 +126,16 @@ def attach(pool: SharedFilesystemStore | FilesystemBackend | str | os.PathLike[s
     """Let references of this process read from ``pool`` (a store, a backend or a mount path).
 
     Attaching opens nothing; reads open the packs they need. The first attachment of a root
-    wins: a later store on the same root reuses the attached pool.
+    wins: a later store on the same root reuses the attached pool. A pool attached here (or
+    named in STRAW_POOL_ROOTS) stays attached until :func:`detach`; pools attached on their
+    own (a reference's root, a store passed as ``reader=``) are at most
+    ``ATTACHED_POOLS_MAX``, the least recently attached forgotten first.
     """
+    _attach(pool, kept=True)
+
+
+def _attach(pool: SharedFilesystemStore | FilesystemBackend | str | os.PathLike[str], *, kept: bool) -> _Pool:
+    """The attached pool of ``pool``'s root, attached now if it is not (``kept``: for good)."""
     if isinstance(pool, SharedFilesystemStore):
         backend = pool.backend
     elif isinstance(pool, FilesystemBackend):
@@ -133,19 +143,38 @@ def attach(pool: SharedFilesystemStore | FilesystemBackend | str | os.PathLike[s
     else:
         backend = FilesystemBackend(pool)
     root = str(backend.root)
-    if root in _pools:
-        return
+    found = _pools.get(root)
+    if found is not None and (not kept or root in _kept):
+        return found
     with _pools_lock:
-        _pools.setdefault(root, _Pool(backend))
+        if kept:
+            _kept.add(root)
+        found = _pools.get(root)
+        if found is not None:
+            return found
+        found = _pools[root] = _Pool(backend)
+        # Forgetting a pool closes nothing here: a read in another thread may be using its
+        # descriptors. Its sessions close them once no read holds them (their finalizers).
+        automatic = [r for r in _pools if r not in _kept]
+        for old in automatic[: max(0, len(automatic) - ATTACHED_POOLS_MAX)]:
+            _forget_locked(old)
+        return found
+
+
+def _forget_locked(root: str) -> _Pool | None:
+    """Drop a pool from the registry (``_pools_lock`` held), with the writers found in it."""
+    pool = _pools.pop(root, None)
+    _kept.discard(root)
+    for writer in [w for w, p in _writers.items() if p is pool]:
+        del _writers[writer]
+    return pool
 
 
 def detach(root: str | os.PathLike[str]) -> None:
     """Forget an attached pool and close the descriptors its read sessions hold."""
     key = os.path.abspath(os.fspath(root))
     with _pools_lock:
-        pool = _pools.pop(key, None)
-        for writer in [w for w, p in _writers.items() if p is pool]:
-            del _writers[writer]
+        pool = _forget_locked(key)
     if pool is not None:
         pool.close()
 
@@ -157,7 +186,7 @@ def _attach_environment() -> None:
     _env_seen[0] = value
     for root in (value or "").split(os.pathsep):
         if root:
-            attach(root)
+            _attach(root, kept=True)
 
 
 def _remember_writer(writer: str, pool: _Pool) -> _Pool:
@@ -175,8 +204,7 @@ def _root_pool(root: str) -> _Pool | None:
         return pool
     if not os.path.isabs(root) or not posix.exists(os.path.join(root, POOL_MARKER)):
         return None
-    attach(root)
-    return _pools.get(root)
+    return _attach(root, kept=False)
 
 
 def _pool_of(ref: RecordRef, root: str = "") -> _Pool:
@@ -186,7 +214,7 @@ def _pool_of(ref: RecordRef, root: str = "") -> _Pool:
     parts = segment.path.split("/") if isinstance(segment.path, str) else []
     writer = parts[1] if len(parts) == 3 else ""
     pool = _writers.get(writer)
-    if pool is not None:
+    if pool is not None and _pools.get(pool.root) is pool:  # (not one forgotten since)
         return pool
     own = _root_pool(root) if root else None
     if own is not None and writer and own.holds(writer):
@@ -220,8 +248,7 @@ def reader_for(
     if isinstance(reader, ReadSession):
         return reader
     if isinstance(reader, SharedFilesystemStore):
-        attach(reader)
-        return _pools[str(reader.backend.root)].session(reader.run_id)  # refuses other runs
+        return _attach(reader, kept=False).session(reader.run_id)  # refuses other runs
     if reader is not None:
         raise TypeError(
             f"reader must be a ReadSession or a SharedFilesystemStore, got {type(reader).__name__}"
@@ -550,7 +577,7 @@ class TensorRef:
         The publication it came from when known (checked readable through ``store``; nothing
         is written), else a new one-record set over the existing record (no tensor bytes copied).
         """
-        attach(store)
+        _attach(store, kept=False)
         with naming(self.what):
             if self.record_set is not None:
                 store.validate(self.record_set)
@@ -584,7 +611,7 @@ class TensorRef:
         """The tensor at ``ordinal`` of a verified record set."""
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
-        attach(store)
+        _attach(store, kept=False)
         session = reader_for(ref.manifest, store)
         resolved = session.resolve(ref)
         if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal < len(resolved):
@@ -598,7 +625,7 @@ class TensorRef:
         """Every tensor member of a record set by ordinal; other members are left out."""
         if not isinstance(ref, RecordSetRef):
             raise InvalidReference(f"expected a RecordSetRef, got {type(ref).__name__}")
-        attach(store)
+        _attach(store, kept=False)
         session = reader_for(ref.manifest, reader if reader is not None else store)
         found = {}
         for ordinal, located in enumerate(session.resolve(ref).records):
@@ -676,7 +703,7 @@ def publish_tensors(
         records.append(record)
         described.append((dtype, shape, math.prod(shape) * _STORAGE[dtype].itemsize, name))
     ref = store.publish(records, submission_id=submission_id)
-    attach(store)
+    _attach(store, kept=False)
     members = store.validate(ref)
     root = str(store.backend.root)
     return [

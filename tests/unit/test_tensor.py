@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import queue_helpers as qh
 from straw import Record, SharedFilesystemStore, protocol
 from straw import tensor as tensor_module
 from straw._fs import system
@@ -49,6 +50,7 @@ def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test sees only the pools it attaches (the registry is per process)."""
     monkeypatch.setattr(tensor_module, "_pools", {})
     monkeypatch.setattr(tensor_module, "_writers", {})
+    monkeypatch.setattr(tensor_module, "_kept", set())
     monkeypatch.setattr(tensor_module, "_env_seen", [None])
     monkeypatch.delenv(tensor_module.POOL_ROOTS_ENV, raising=False)
 
@@ -647,6 +649,30 @@ def test_with_several_pools_the_one_holding_the_writer_is_chosen(tmp_path: Path)
     detach(tmp_path / "a")
     with pytest.raises(InvalidReference, match="none of the attached pools"):
         dataclasses.replace(refs[0], root="").load()
+
+
+def test_pools_attached_on_their_own_are_bounded_and_attach_keeps_a_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tensor_module, "ATTACHED_POOLS_MAX", 2)
+    roots = [tmp_path / name for name in ("a", "b", "c", "d")]
+    refs = []
+    for i, root in enumerate(roots):
+        with SharedFilesystemStore(root, RUN, codecs=CODECS) as writer:
+            refs.append(publish_tensors(writer, {"x": torch.full((2,), i)}, submission_id="p")[0])
+        detach(root)
+    attach(roots[3])  # kept: it does not count and is never forgotten on its own
+    for i, ref in enumerate(refs):  # each read attaches its reference's own root
+        assert torch.equal(ref.load(), torch.full((2,), i))
+    assert list(tensor_module._pools) == [str(roots[3]), str(roots[1]), str(roots[2])]
+    gc.collect()  # the forgotten pool's sessions close their descriptors once unreferenced
+    assert not qh.descriptors_under(roots[0])
+    assert qh.descriptors_under(roots[1]) and qh.descriptors_under(roots[3])
+    assert torch.equal(refs[0].load(), torch.full((2,), 0))  # attached again on its next read
+    assert list(tensor_module._pools) == [str(roots[3]), str(roots[2]), str(roots[0])]
+    for root in roots:
+        detach(root)
+    assert not any(qh.descriptors_under(root) for root in roots)
 
 
 def test_a_reader_of_another_run_is_refused(store: SharedFilesystemStore, tmp_path: Path) -> None:
