@@ -11,6 +11,10 @@ JuiceFS (real two-client FUSE mount, see ``tests/juicefs_mount.py``):
 Mark tests using them ``@pytest.mark.juicefs``. Environment switch ``STRAW_JUICEFS``:
 unset/anything else = use JuiceFS when possible, skip with the reason otherwise;
 ``0`` = always skip; ``require`` = a missing JuiceFS/FUSE is a test failure, not a skip.
+
+Every test must give up the files it opened under the session's temporary directory
+(``_no_descriptor_left``); ``STRAW_FD_GUARD_REPORT=1`` prints ``LEFT-OPEN`` lines instead of
+failing, to list every offender of a run at once.
 """
 
 from __future__ import annotations
