@@ -19,7 +19,6 @@ failing, to list every offender of a run at once.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import shutil
@@ -33,6 +32,7 @@ from hypothesis import HealthCheck, settings
 
 import juicefs_mount
 import straw.tensor
+from queue_helpers import open_under
 
 # Hypothesis times each example (its deadline) and the first examples together (the too_slow
 # health check) by the wall clock. No test here asserts speed (that is the benchmarks' job), and
@@ -43,17 +43,6 @@ settings.load_profile("straw")
 
 #: Bound on how long a directory created through A may take to show up through B.
 _POOL_VISIBILITY_TIMEOUT_S = 10.0
-
-
-def _files_open_under(root: str) -> dict[int, str]:
-    """This process's descriptors of files under ``root`` (Linux ``/proc``): number -> path."""
-    found = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith(root):
-                found[int(fd)] = target
-    return found
 
 
 @pytest.fixture(autouse=True)
@@ -68,15 +57,19 @@ def _no_descriptor_left(
     ``OPEN_PACKS_MAX``): the pools they belong to are detached first, as a process would
     at its end. Fixtures of narrower scope (the rollout tests' cached writers) close before.
     """
-    root = os.path.realpath(tmp_path_factory.getbasetemp()) + os.sep
-    before = set(_files_open_under(root))
+    root = tmp_path_factory.getbasetemp()
+    before = set(open_under(root))
+
+    def left_open() -> dict[int, str]:
+        return {fd: path for fd, path in open_under(root).items() if fd not in before}
+
     yield
     for pool_root in list(straw.tensor._pools):
         straw.tensor.detach(pool_root)
-    left = {fd: path for fd, path in _files_open_under(root).items() if fd not in before}
+    left = left_open()
     if left:
         gc.collect()  # a cycle that holds a closed object's last reference (finalizers close)
-        left = {fd: path for fd, path in _files_open_under(root).items() if fd not in before}
+        left = left_open()
     if left and not os.environ.get("STRAW_FD_GUARD_REPORT"):
         # (Not closed here: the object that owns a descriptor may still close it later, by
         # number, when that number names another file. The next tests count from here.)

@@ -138,16 +138,21 @@ def directory_files(directory: str) -> dict[str, bytes]:
     return out
 
 
-def descriptors_under(directory: str | Path) -> list[str]:
-    """The files under ``directory`` this process holds a descriptor of (Linux ``/proc``)."""
+def open_under(directory: str | Path) -> dict[int, str]:
+    """This process's descriptors of files under ``directory`` (Linux ``/proc``): number -> path."""
     prefix = os.path.realpath(directory).rstrip(os.sep) + os.sep
-    out = []
+    out = {}
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
             target = os.readlink(f"/proc/self/fd/{fd}")
             if target.startswith(prefix):
-                out.append(target)
-    return sorted(out)
+                out[int(fd)] = target
+    return out
+
+
+def descriptors_under(directory: str | Path) -> list[str]:
+    """The files under ``directory`` this process holds a descriptor of (Linux ``/proc``)."""
+    return sorted(open_under(directory).values())
 
 
 def catalog_events(root: Path) -> list[dict[str, Any]]:

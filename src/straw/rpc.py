@@ -203,24 +203,24 @@ def serve(
     """
     if stop is not None and not isinstance(stop, threading.Event):
         raise TypeError(f"stop is a threading.Event, got {type(stop).__name__}")
-    with _server(coordinator, address, token) as server:
-        if ready is not None:
-            host, port = server.server_address[:2]
-            ready((str(host), int(port)))
-        if stop is None:
+    if stop is None:
+        with _server(coordinator, address, token) as server:
+            _report_ready(server, ready)
             server.serve_forever()
-            return
-        watcher = threading.Thread(
-            target=_shut_down_when, args=(stop, server), name="straw-rpc-stop", daemon=True
-        )
-        watcher.start()
-        server.serve_forever()
-        watcher.join()
+        return
+    server = start_server(coordinator, address, token=token)
+    try:
+        _report_ready(server, ready)
+        stop.wait()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
-def _shut_down_when(stop: threading.Event, server: _Server) -> None:
-    stop.wait()
-    server.shutdown()  # serve_forever returns once its loop sees the request
+def _report_ready(server: _Server, ready: Callable[[tuple[str, int]], object] | None) -> None:
+    if ready is not None:
+        host, port = server.server_address[:2]
+        ready((str(host), int(port)))
 
 
 class QueueClient:
