@@ -129,6 +129,18 @@ IOVEC_COUNT_MAX = 1024
 #: Open pack file descriptors one reader keeps cached.
 OPEN_PACKS_MAX = 64
 
+#: Open pack descriptors all the readers of one process keep cached together (DURABILITY.md
+#: D5.2c), or half the process's descriptor limit (RLIMIT_NOFILE) when that is lower. Every
+#: thread has read sessions of its own (a store's, straw.tensor's), each caching up to
+#: OPEN_PACKS_MAX: without a shared bound, 16 threads reading many packs use up the usual
+#: limit of 1024. A reader about to open a pack past the bound first closes its own least
+#: recently used ones (never another reader's: a read in another thread may be using it).
+OPEN_PACKS_PROCESS_MAX = 1024
+
+#: Open pack descriptors a reader keeps however many the process's other readers hold, so
+#: each thread's reads still find their current packs open (a batch read touches several).
+OPEN_PACKS_READER_MIN = 4
+
 #: Index entries (records and manifests) of the parsed index frames one reader keeps, most
 #: recently used last: counted in entries, not frames, since one ``publish_many`` frame may
 #: hold thousands. An entry is kept as one tuple of plain values (``frame.Row``, about 0.6 KB
@@ -185,7 +197,8 @@ TENSOR_DIMS_MAX = 64
 KIND_BYTES_MAX = 256
 
 #: Pools ``straw.tensor`` keeps attached on its own (a reference's root, a store passed as
-#: ``reader=``), each with read sessions holding up to OPEN_PACKS_MAX descriptors per thread.
+#: ``reader=``), each with read sessions holding up to OPEN_PACKS_MAX descriptors per thread
+#: (all readers of the process together: OPEN_PACKS_PROCESS_MAX).
 #: Past it the least recently attached is forgotten (re-attached by its next read); pools
 #: named by ``attach()`` or STRAW_POOL_ROOTS do not count and stay.
 ATTACHED_POOLS_MAX = 16

@@ -16,6 +16,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -958,7 +959,9 @@ class SharedFilesystemStore:
         self._deferred = Adoption()
         self._deferred_lock = threading.Lock()
         self._local = threading.local()
-        self._sessions: list[ReadSession] = []
+        # Every thread's sessions, as long as the thread lives (D5.2c: a thread that ends drops
+        # them, and their finalizers close their descriptors).
+        self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
         self._counts = {
             "payload_bytes": 0,
             "records": 0,
@@ -1403,7 +1406,7 @@ class SharedFilesystemStore:
             except OSError as error:
                 raise posix.storage_error(error, "closing the writer") from error
             finally:
-                for session in self._sessions:
+                for session in list(self._sessions):
                     session._reader.close()  # descriptors only: reads through the store still work
                 self._catalog.close()
 
@@ -1768,7 +1771,9 @@ class SharedFilesystemStore:
         if session is None or session.forked:  # a forked child reads through sessions of its own
             session = ReadSession(self.backend, self.run_id, shared=shared)
             setattr(self._local, name, session)
-            self._sessions.append(session)
+            # The finalizer holds the session's reader, not the session (that would keep it alive).
+            weakref.finalize(session, session._reader.close)
+            self._sessions.add(session)
         return session
 
     @contextlib.contextmanager

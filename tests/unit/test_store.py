@@ -8,6 +8,7 @@ succeeds and every assertion compares exact bytes, digests, files or error class
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import itertools
 import json
@@ -15,6 +16,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,11 +26,13 @@ import numpy as np
 import pytest
 import xxhash
 
+from queue_helpers import descriptors_under
 from straw import Publication, Record, RecordRef, RecordSetRef, SharedFilesystemStore
 from straw._fs import posix, system
 from straw._pack import frame
+from straw._pack import reader as pack_reader
 from straw.errors import IdempotencyConflict, InvalidReference, WriterFenced
-from straw.limits import CHUNK_BYTES
+from straw.limits import CHUNK_BYTES, OPEN_PACKS_READER_MIN
 from straw.protocol import encode
 from straw.store import _Remembered
 
@@ -1051,3 +1055,118 @@ def test_running_out_of_descriptors_is_storage_unavailable_naming_the_limit(tmp_
     assert "Errno 24" in done.stdout, done.stdout + done.stderr
     assert "too many files open: raise the limit (ulimit -n)" in done.stdout
     assert "check the mount" not in done.stdout
+
+
+def _single_record_packs(root: Path, count: int) -> tuple[SharedFilesystemStore, list[RecordSetRef]]:
+    """A store and ``count`` references, each to a record alone in its own pack."""
+    store = SharedFilesystemStore(root, "fds", segment_target_bytes=0)
+    records = [[Record(f"r{i}", f"payload {i}".encode())] for i in range(count)]
+    return store, [store.publish(one, submission_id=f"s{i}") for i, one in enumerate(records)]
+
+
+def _pack_descriptors(root: Path) -> list[str]:
+    return [path for path in descriptors_under(root / "raw") if path.endswith((".pack", ".seg"))]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_the_readers_of_a_process_keep_at_most_a_shared_budget_of_descriptors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D5.2c: several sessions, each reading more packs than the process's budget, keep the
+    budget in all (each closing its own least recently used), but for the few packs each
+    reader keeps however many the others hold; every read stays right."""
+    monkeypatch.setattr(pack_reader, "OPEN_PACKS_PROCESS_MAX", 24)
+    store, refs = _single_record_packs(tmp_path, 40)
+    baseline = pack_reader.CACHED_DESCRIPTORS.count
+    sessions = [store.read_session() for _ in range(4)]
+    try:
+        opened = [context.__enter__() for context in sessions]
+        for _ in range(2):
+            for session in opened:
+                for i, ref in enumerate(refs):
+                    (record,) = session.read(ref)
+                    assert bytes(record.payload) == f"payload {i}".encode()
+                held = len(_pack_descriptors(tmp_path))
+                assert held <= 24 + OPEN_PACKS_READER_MIN * len(opened), held  # 4 x 40 without it
+        assert pack_reader.CACHED_DESCRIPTORS.count - baseline == len(_pack_descriptors(tmp_path))
+        # Each reader kept its newest packs open: the last one it read is still cached.
+        last = refs[-1].manifest.segment.path
+        assert all(last in session._reader._files for session in opened)
+    finally:
+        for context in sessions:
+            context.__exit__(None, None, None)
+        store.close()
+    assert pack_reader.CACHED_DESCRIPTORS.count == baseline  # closed readers counted nothing back
+    assert _pack_descriptors(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_thread_that_ends_gives_back_the_descriptors_of_its_store_sessions(tmp_path: Path) -> None:
+    """A store's per-thread sessions end with their thread (closing their packs), not with the
+    store: a long-lived store read from short-lived threads would otherwise keep every pack
+    each of them opened, and the process's budget would go to threads that are gone."""
+    store, refs = _single_record_packs(tmp_path, 12)
+    try:
+        before = _pack_descriptors(tmp_path)
+        seen: list[int] = []
+
+        def read_all() -> None:
+            for ref in refs:
+                list(store.read(ref))
+            store.validate(refs[0])  # (through the thread's validating session too)
+            seen.append(len(_pack_descriptors(tmp_path)))
+
+        for _ in range(3):
+            thread = threading.Thread(target=read_all)
+            thread.start()
+            thread.join()
+        gc.collect()  # (a thread's locals go when it ends; a cycle through them, here)
+        assert seen and min(seen) >= len(before) + len(refs)  # each thread had them all open
+        assert _pack_descriptors(tmp_path) == before
+        (record,) = store.read(refs[3])  # this thread's own session reads as before
+        assert bytes(record.payload) == b"payload 3"
+    finally:
+        store.close()
+
+
+_THREADS_UNDER_A_LOW_LIMIT = """
+import os, resource, sys, threading
+import numpy as np
+from straw import SharedFilesystemStore
+from straw.tensor import publish_tensors
+root, threads = sys.argv[1], int(sys.argv[2])
+codecs = ("bytes.v1", "json.v1", "tensor.v1")
+store = SharedFilesystemStore(root, "fds", segment_target_bytes=0, codecs=codecs)
+refs = [publish_tensors(store, {"x": np.full(4, i, np.int32)}, submission_id=f"t{i}")[0] for i in range(64)]
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+errors, done = [], threading.Barrier(threads)
+def read():
+    try:
+        for i, ref in enumerate(refs):
+            assert int(ref.numpy()[0]) == i
+    except Exception as error:
+        errors.append(repr(error))
+    done.wait()  # every thread holds its sessions until all have read
+workers = [threading.Thread(target=read) for _ in range(threads)]
+for worker in workers:
+    worker.start()
+for worker in workers:
+    worker.join()
+store.close()
+print("errors", len(errors), errors[:1])
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_many_reading_threads_stay_within_a_low_descriptor_limit(tmp_path: Path) -> None:
+    """Eight threads each reading 64 packs through straw.tensor under a limit of 256
+    descriptors: without the process's budget (D5.2c) their sessions would want 512."""
+    done = subprocess.run(
+        [sys.executable, "-c", _THREADS_UNDER_A_LOW_LIMIT, str(tmp_path), "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "errors 0 []" in done.stdout, done.stdout + done.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -266,6 +267,12 @@ def fstat_links(fd: int) -> int:
     """How many names an open file has: 0 once every one was removed (the file lives on, and
     keeps its blocks allocated, only while a descriptor holds it)."""
     return _system.current.fstat_links(fd)
+
+
+def descriptor_limit() -> int | None:
+    """The process's soft limit of open descriptors (RLIMIT_NOFILE); None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def listdir(path: str) -> list[str]:

@@ -23,12 +23,14 @@ import xxhash
 
 from .._fs import posix
 from ..backend import FilesystemBackend
-from ..errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema
+from ..errors import CorruptData, InvalidReference, StorageUnavailable, UnsupportedSchema, invariant
 from ..limits import (
     CHUNK_BYTES,
     INDEX_BYTES_MAX,
     INDEX_CACHE_ENTRIES_MAX,
     OPEN_PACKS_MAX,
+    OPEN_PACKS_PROCESS_MAX,
+    OPEN_PACKS_READER_MIN,
     PACK_BYTES_MAX,
     READ_MAPPING_BYTES_MIN,
     SHARED_INDEX_BYTES_MAX,
@@ -232,6 +234,35 @@ def _checked(data: Data, size: int, offset: int, relative: str, check: Callable[
     return check(data)
 
 
+class _CachedDescriptors:
+    """How many pack descriptors the readers of this process keep cached in all (D5.2c)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def change(self, delta: int) -> None:
+        """Count ``delta`` more (or fewer) cached descriptors."""
+        with self._lock:
+            self.count += delta
+            invariant(self.count >= 0, "a reader gave up a descriptor it never counted")
+
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread of the parent held stays held; a new one."""
+        self._lock = threading.Lock()
+
+
+CACHED_DESCRIPTORS = _CachedDescriptors()
+os.register_at_fork(after_in_child=CACHED_DESCRIPTORS.after_fork)
+
+
+def descriptor_budget() -> int:
+    """D5.2c: the most pack descriptors the readers of this process keep cached together."""
+    limit = posix.descriptor_limit()
+    budget = OPEN_PACKS_PROCESS_MAX if limit is None else min(OPEN_PACKS_PROCESS_MAX, limit // 2)
+    return max(budget, OPEN_PACKS_READER_MIN)
+
+
 class PackReader:
     """Reads index frames and payloads of one run's packs, verifying checksums."""
 
@@ -256,8 +287,14 @@ class PackReader:
     def close(self) -> None:
         while self._files:
             _, handle = self._files.popitem()
-            posix.close_quietly(handle.fd)
+            self._close(handle)
         self._indexes.clear()
+
+    @staticmethod
+    def _close(handle: _File) -> None:
+        """Close a descriptor this reader had cached (and no longer does)."""
+        CACHED_DESCRIPTORS.change(-1)
+        posix.close_quietly(handle.fd)
 
     # -- reference checks ----------------------------------------------------------
 
@@ -302,6 +339,7 @@ class PackReader:
             self._files.move_to_end(relative)
             return handle
         self._let_go_of_collected()
+        self._make_room()
         path = self.backend.resolve(relative)
         try:
             fd = self._open_file(path, relative)
@@ -318,10 +356,21 @@ class PackReader:
             raise
         handle = _File(fd, header)
         self._files[relative] = handle
-        while len(self._files) > self.max_open:
-            _, old = self._files.popitem(last=False)
-            posix.close_quietly(old.fd)
+        CACHED_DESCRIPTORS.change(1)
         return handle
+
+    def _make_room(self) -> None:
+        """Before opening another pack: keep this reader within ``max_open`` and, D5.2c, the
+        process's readers within their shared budget, closing this reader's own least recently
+        used descriptors (down to OPEN_PACKS_READER_MIN; another reader's may be in use)."""
+        files = self._files
+        while len(files) >= self.max_open:
+            self._close(files.popitem(last=False)[1])
+        if len(files) >= OPEN_PACKS_READER_MIN:
+            over = CACHED_DESCRIPTORS.count + 1 - descriptor_budget()
+            while over > 0 and len(files) >= OPEN_PACKS_READER_MIN:
+                self._close(files.popitem(last=False)[1])
+                over -= 1
 
     def _open_file(self, path: str, relative: str) -> int:
         """D5.2: open a pack, waiting a bounded time for it to become visible. A reference whose
@@ -386,7 +435,7 @@ class PackReader:
     def _forget(self, relative: str) -> None:
         handle = self._files.pop(relative, None)
         if handle is not None:
-            posix.close_quietly(handle.fd)
+            self._close(handle)
 
     @staticmethod
     def _pread(fd: int, size: int, offset: int, relative: str) -> bytes | bytearray:
