@@ -12,9 +12,10 @@ Mark tests using them ``@pytest.mark.juicefs``. Environment switch ``STRAW_JUICE
 unset/anything else = use JuiceFS when possible, skip with the reason otherwise;
 ``0`` = always skip; ``require`` = a missing JuiceFS/FUSE is a test failure, not a skip.
 
-Every test must give up the files it opened under the session's temporary directory
-(``_no_descriptor_left``); ``STRAW_FD_GUARD_REPORT=1`` prints ``LEFT-OPEN`` lines instead of
-failing, to list every offender of a run at once.
+Every test must give up the files it opened under the session's temporary directory and the
+system's (``tempfile.gettempdir()``: ``mkdtemp`` pools, the JuiceFS pair) (``_no_descriptor_left``);
+``STRAW_FD_GUARD_REPORT=1`` prints ``LEFT-OPEN`` lines instead of failing, to list every
+offender of a run at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +51,8 @@ _POOL_VISIBILITY_TIMEOUT_S = 10.0
 def _no_descriptor_left(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """Every test gives up the files it opened under the session's temporary directory.
+    """Every test gives up the files it opened under the temporary directories (the session's
+    and the system's).
 
     A store, coordinator, catalog or reader that keeps a descriptor after it is closed (or
     a failed open that keeps one) fails the test that did it, named with the files. The
@@ -57,11 +60,15 @@ def _no_descriptor_left(
     ``OPEN_PACKS_MAX``): the pools they belong to are detached first, as a process would
     at its end. Fixtures of narrower scope (the rollout tests' cached writers) close before.
     """
-    root = tmp_path_factory.getbasetemp()
-    before = set(open_under(root))
+    roots = {tmp_path_factory.getbasetemp(), Path(tempfile.gettempdir())}
+
+    def opened() -> dict[int, str]:
+        return {fd: path for root in roots for fd, path in open_under(root).items()}
+
+    before = set(opened())
 
     def left_open() -> dict[int, str]:
-        return {fd: path for fd, path in open_under(root).items() if fd not in before}
+        return {fd: path for fd, path in opened().items() if fd not in before}
 
     yield
     for pool_root in list(straw.tensor._pools):

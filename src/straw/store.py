@@ -365,6 +365,10 @@ class ReadSession:
         self._pid = os.getpid()
         self._forks = _FORKS[0]
         self._closed = False
+        # A session dropped without close() (a thread's that ended, a reader object thrown
+        # away) still gives its descriptors back (D5.2c). The finalizer holds the reader, not
+        # the session, which it would keep alive.
+        weakref.finalize(self, self._reader.close)
         # Record sets this session verified, by their exact reference (see ``resolve``).
         self._resolved: OrderedDict[SetKey, _Resolved] = OrderedDict()
 
@@ -960,7 +964,7 @@ class SharedFilesystemStore:
         self._deferred_lock = threading.Lock()
         self._local = threading.local()
         # Every thread's sessions, as long as the thread lives (D5.2c: a thread that ends drops
-        # them, and their finalizers close their descriptors).
+        # them, and a session's finalizer closes its descriptors).
         self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
         self._counts = {
             "payload_bytes": 0,
@@ -1771,8 +1775,6 @@ class SharedFilesystemStore:
         if session is None or session.forked:  # a forked child reads through sessions of its own
             session = ReadSession(self.backend, self.run_id, shared=shared)
             setattr(self._local, name, session)
-            # The finalizer holds the session's reader, not the session (that would keep it alive).
-            weakref.finalize(session, session._reader.close)
             self._sessions.add(session)
         return session
 

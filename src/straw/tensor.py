@@ -100,10 +100,8 @@ class _Pool:
             sessions = self._local.sessions = {}
         session = sessions.get(run_id)
         if session is None or session.forked:  # a forked child reads through sessions of its own
+            # (A thread that ends drops its sessions, whose finalizers close their descriptors.)
             session = sessions[run_id] = ReadSession(self.backend, run_id)
-            # A thread that ends drops its sessions; close their descriptors then. The finalizer
-            # must not hold the session itself (that would keep it alive), so it holds its reader.
-            weakref.finalize(session, session._reader.close)
             self._sessions.add(session)
         return session
 

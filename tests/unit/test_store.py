@@ -34,7 +34,7 @@ from straw._pack import reader as pack_reader
 from straw.errors import IdempotencyConflict, InvalidReference, WriterFenced
 from straw.limits import CHUNK_BYTES, OPEN_PACKS_READER_MIN
 from straw.protocol import encode
-from straw.store import _Remembered
+from straw.store import ReadSession, _Remembered
 
 RUN = "run-store-tests"
 KiB = 1024
@@ -1125,6 +1125,24 @@ def test_a_thread_that_ends_gives_back_the_descriptors_of_its_store_sessions(tmp
         assert _pack_descriptors(tmp_path) == before
         (record,) = store.read(refs[3])  # this thread's own session reads as before
         assert bytes(record.payload) == b"payload 3"
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_read_session_dropped_without_closing_gives_its_descriptors_back(tmp_path: Path) -> None:
+    """A session thrown away unclosed (a rollout reader a crashed worker left behind, a
+    forgotten ``ReadSession``) closes its cached packs when it is collected."""
+    store, refs = _single_record_packs(tmp_path, 6)
+    try:
+        before = _pack_descriptors(tmp_path)
+        session = ReadSession(store.backend, store.run_id)
+        for ref in refs:
+            list(session.read(ref))
+        assert len(_pack_descriptors(tmp_path)) == len(before) + len(refs)
+        del session
+        gc.collect()
+        assert _pack_descriptors(tmp_path) == before
     finally:
         store.close()
 
