@@ -171,6 +171,35 @@ def test_fail_after_loses_power_inside_an_operation() -> None:
     assert fs.exists("/d") and (not fs.exists("/d/f") or fs.read_bytes("/d/f") == b"")
 
 
+def test_close_after_a_power_loss_has_nothing_to_close() -> None:
+    """Cleanup that runs on after the power loss (a finally, a finalizer) does not raise."""
+    fs = fresh(0)
+    fd = durable_file(fs, "/d/f", b"x")
+    fs.fail_after(1)
+    with pytest.raises(SimulatedPowerLoss):
+        fs.pwritev(fd, [b"y"], 0)
+    fs.close(fd)
+    with pytest.raises(SimulatedPowerLoss):
+        fs.pread(fd, 1, 0)
+    fs.crash()
+    assert fs.read_bytes("/d/f") == b"x"
+
+
+def test_one_machines_descriptor_never_names_a_file_of_another() -> None:
+    """A descriptor closed late (by a finalizer, after its simulation ended) on the next
+    machine finds nothing of that machine's to close."""
+    first, second = fresh(0), fresh(1)
+    old = durable_file(first, "/d/f", b"first")
+    new = durable_file(second, "/d/f", b"second")
+    assert old != new
+    with pytest.raises(OSError) as unknown:
+        second.close(old)
+    assert unknown.value.errno == errno.EBADF
+    assert second.fstat_size(new) == len(b"second")  # still open
+    second.close(new)
+    first.close(old)
+
+
 def _history(seed: int) -> list[object]:
     fs = fresh(seed)
     fd = durable_file(fs, "/d/f", b"base")

@@ -21,7 +21,10 @@ that nothing overwrote stay intact, per A1). Directory changes made since the
 directory's last sync survive independently, each with even odds. Every open
 descriptor becomes stale: a later call on it raises ``OSError(EBADF)``,
 closing it does nothing. :meth:`FaultFS.fail_after` turns the n-th mutating
-call into a :class:`SimulatedPowerLoss`, so a crash lands inside an operation.
+call into a :class:`SimulatedPowerLoss`, so a crash lands inside an operation;
+until :meth:`FaultFS.crash` every call raises it but ``close``, which has
+nothing left to close. Descriptor numbers are unique across the machines of a
+process: one machine's descriptor never names an open file of another.
 
 :meth:`FaultFS.fail_next` makes one chosen primitive raise ``OSError`` once
 (``EIO``, or ``ENOSPC`` for a full disk), as a real disk may:
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import random
 from collections.abc import Sequence
@@ -59,6 +63,10 @@ Buffer = bytes | bytearray | memoryview
 SECTOR_BYTES = 512
 #: Fake descriptors start here so that a stray real ``os`` call on one fails (EBADF).
 FIRST_FD = 1 << 20
+#: Every simulated machine of the process draws its descriptor numbers from this one sequence,
+#: so a descriptor of one machine (closed by a finalizer after its test ended, say) never names
+#: an open file of the next.
+_DESCRIPTOR_NUMBERS = itertools.count(FIRST_FD)
 _ACCESS = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 #: The primitives :meth:`FaultFS.fail_next` can make fail.
 FAULT_KINDS = ("open", "write", "sync", "truncate", "link", "rename", "unlink", "mkdir")
@@ -142,8 +150,7 @@ class FaultFS:
         self.sticky_sync_errors = sticky_sync_errors
         self.root = _Dir()
         self._fds: dict[int, _Handle] = {}
-        self._next_fd = FIRST_FD
-        self._stale_below = FIRST_FD
+        self._first_fd = self._stale_below = next(_DESCRIPTOR_NUMBERS)
         self._locks: dict[_File | _Dir, int] = {}
         self._countdown: int | None = None
         self.powered_off = False
@@ -227,7 +234,7 @@ class FaultFS:
             self._crash_dir(path, directory)
         self._fds.clear()
         self._locks.clear()
-        self._stale_below = self._next_fd
+        self._stale_below = next(_DESCRIPTOR_NUMBERS)
         self._countdown = None
         self._fault = None
         self.powered_off = False
@@ -402,8 +409,7 @@ class FaultFS:
                 self._mutate()
                 _apply(node.data, 0)
                 node.pending.append(0)
-        fd = self._next_fd
-        self._next_fd += 1
+        fd = next(_DESCRIPTOR_NUMBERS)
         self._fds[fd] = _Handle(node, access != os.O_WRONLY, access != os.O_RDONLY, os.path.normpath(path))
         return fd
 
@@ -414,7 +420,7 @@ class FaultFS:
             return
         handle = self._fds.pop(fd, None)
         if handle is None:
-            if FIRST_FD <= fd < self._stale_below:
+            if self._first_fd <= fd < self._stale_below:
                 return  # a descriptor from before the last crash: already gone with the old kernel
             raise _error(errno.EBADF)
         if self._locks.get(handle.node) == fd:
