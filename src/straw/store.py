@@ -966,6 +966,7 @@ class SharedFilesystemStore:
         # Every thread's sessions, as long as the thread lives (D5.2c: a thread that ends drops
         # them, and a session's finalizer closes its descriptors).
         self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
+        self._sessions_lock = threading.Lock()  # (a set changed while listed raises)
         self._counts = {
             "payload_bytes": 0,
             "records": 0,
@@ -1410,7 +1411,9 @@ class SharedFilesystemStore:
             except OSError as error:
                 raise posix.storage_error(error, "closing the writer") from error
             finally:
-                for session in list(self._sessions):
+                with self._sessions_lock:
+                    sessions = list(self._sessions)
+                for session in sessions:
                     session._reader.close()  # descriptors only: reads through the store still work
                 self._catalog.close()
 
@@ -1775,7 +1778,8 @@ class SharedFilesystemStore:
         if session is None or session.forked:  # a forked child reads through sessions of its own
             session = ReadSession(self.backend, self.run_id, shared=shared)
             setattr(self._local, name, session)
-            self._sessions.add(session)
+            with self._sessions_lock:
+                self._sessions.add(session)
         return session
 
     @contextlib.contextmanager

@@ -93,6 +93,7 @@ class _Pool:
         self.root = str(backend.root)
         self._local = threading.local()
         self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
+        self._sessions_lock = threading.Lock()  # (a set changed while listed raises)
 
     def session(self, run_id: str) -> ReadSession:
         sessions: dict[str, ReadSession] | None = getattr(self._local, "sessions", None)
@@ -102,14 +103,17 @@ class _Pool:
         if session is None or session.forked:  # a forked child reads through sessions of its own
             # (A thread that ends drops its sessions, whose finalizers close their descriptors.)
             session = sessions[run_id] = ReadSession(self.backend, run_id)
-            self._sessions.add(session)
+            with self._sessions_lock:
+                self._sessions.add(session)
         return session
 
     def holds(self, writer: str) -> bool:
         return posix.isdir(os.path.join(self.root, "raw", writer))
 
     def close(self) -> None:
-        for session in list(self._sessions):
+        with self._sessions_lock:
+            sessions = list(self._sessions)
+        for session in sessions:
             session.close()
 
 
