@@ -60,15 +60,11 @@ def _no_descriptor_left(
     ``OPEN_PACKS_MAX``): the pools they belong to are detached first, as a process would
     at its end. Fixtures of narrower scope (the rollout tests' cached writers) close before.
     """
-    roots = {tmp_path_factory.getbasetemp(), Path(tempfile.gettempdir())}
-
-    def opened() -> dict[int, str]:
-        return {fd: path for root in roots for fd, path in open_under(root).items()}
-
-    before = set(opened())
+    roots = (tmp_path_factory.getbasetemp(), tempfile.gettempdir())
+    before = set(open_under(*roots))
 
     def left_open() -> dict[int, str]:
-        return {fd: path for fd, path in opened().items() if fd not in before}
+        return {fd: path for fd, path in open_under(*roots).items() if fd not in before}
 
     yield
     for pool_root in list(straw.tensor._pools):

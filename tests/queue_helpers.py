@@ -138,14 +138,15 @@ def directory_files(directory: str) -> dict[str, bytes]:
     return out
 
 
-def open_under(directory: str | Path) -> dict[int, str]:
-    """This process's descriptors of files under ``directory`` (Linux ``/proc``): number -> path."""
-    prefix = os.path.realpath(directory).rstrip(os.sep) + os.sep
+def open_under(*directories: str | Path) -> dict[int, str]:
+    """This process's descriptors of files under any of ``directories`` (Linux ``/proc``):
+    number -> path, in one walk of the descriptor table."""
+    prefixes = tuple(os.path.realpath(d).rstrip(os.sep) + os.sep for d in directories)
     out = {}
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
             target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith(prefix):
+            if target.startswith(prefixes):
                 out[int(fd)] = target
     return out
 

@@ -714,6 +714,24 @@ class ReadSession:
 _VERIFY_BYTES = 64 * 1024 * 1024
 
 
+class LiveSessions:
+    """Read sessions of a store's or a pool's threads, for as long as each lives (D5.2c): a
+    thread that ends drops its sessions, and a session's finalizer closes its descriptors."""
+
+    def __init__(self) -> None:
+        self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
+        self._lock = threading.Lock()  # (a weak set changed while another thread lists it raises)
+
+    def add(self, session: ReadSession) -> ReadSession:
+        with self._lock:
+            self._sessions.add(session)
+        return session
+
+    def members(self) -> list[ReadSession]:
+        with self._lock:
+            return list(self._sessions)
+
+
 def _share_written(
     refs: Sequence[RecordSetRef], manifests: Sequence[frame.Manifest], publications: Sequence[Publication]
 ) -> None:
@@ -963,10 +981,7 @@ class SharedFilesystemStore:
         self._deferred = Adoption()
         self._deferred_lock = threading.Lock()
         self._local = threading.local()
-        # Every thread's sessions, as long as the thread lives (D5.2c: a thread that ends drops
-        # them, and a session's finalizer closes its descriptors).
-        self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
-        self._sessions_lock = threading.Lock()  # (a set changed while listed raises)
+        self._sessions = LiveSessions()
         self._counts = {
             "payload_bytes": 0,
             "records": 0,
@@ -1411,9 +1426,7 @@ class SharedFilesystemStore:
             except OSError as error:
                 raise posix.storage_error(error, "closing the writer") from error
             finally:
-                with self._sessions_lock:
-                    sessions = list(self._sessions)
-                for session in sessions:
+                for session in self._sessions.members():
                     session._reader.close()  # descriptors only: reads through the store still work
                 self._catalog.close()
 
@@ -1777,9 +1790,7 @@ class SharedFilesystemStore:
         session: ReadSession | None = getattr(self._local, name, None)
         if session is None or session.forked:  # a forked child reads through sessions of its own
             session = ReadSession(self.backend, self.run_id, shared=shared)
-            setattr(self._local, name, session)
-            with self._sessions_lock:
-                self._sessions.add(session)
+            setattr(self._local, name, self._sessions.add(session))
         return session
 
     @contextlib.contextmanager

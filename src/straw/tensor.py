@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ from .limits import (
     WRITERS_CACHED_MAX,
 )
 from .protocol import Record, RecordRef, RecordSetRef, decode
-from .store import POOL_MARKER, ReadSession, SharedFilesystemStore
+from .store import POOL_MARKER, LiveSessions, ReadSession, SharedFilesystemStore
 
 __all__ = [
     "CHUNK_BYTES",
@@ -92,8 +91,7 @@ class _Pool:
         self.backend = backend
         self.root = str(backend.root)
         self._local = threading.local()
-        self._sessions: weakref.WeakSet[ReadSession] = weakref.WeakSet()
-        self._sessions_lock = threading.Lock()  # (a set changed while listed raises)
+        self._sessions = LiveSessions()
 
     def session(self, run_id: str) -> ReadSession:
         sessions: dict[str, ReadSession] | None = getattr(self._local, "sessions", None)
@@ -101,19 +99,14 @@ class _Pool:
             sessions = self._local.sessions = {}
         session = sessions.get(run_id)
         if session is None or session.forked:  # a forked child reads through sessions of its own
-            # (A thread that ends drops its sessions, whose finalizers close their descriptors.)
-            session = sessions[run_id] = ReadSession(self.backend, run_id)
-            with self._sessions_lock:
-                self._sessions.add(session)
+            session = sessions[run_id] = self._sessions.add(ReadSession(self.backend, run_id))
         return session
 
     def holds(self, writer: str) -> bool:
         return posix.isdir(os.path.join(self.root, "raw", writer))
 
     def close(self) -> None:
-        with self._sessions_lock:
-            sessions = list(self._sessions)
-        for session in sessions:
+        for session in self._sessions.members():
             session.close()
 
 
