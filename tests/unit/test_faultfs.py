@@ -200,6 +200,22 @@ def test_one_machines_descriptor_never_names_a_file_of_another() -> None:
     first.close(old)
 
 
+def test_a_crash_leaves_its_own_descriptors_closable_once_and_no_others() -> None:
+    """After a crash, each descriptor the old kernel had open closes once (cleanup that runs
+    on); a second close, or a close of another machine's descriptor drawn meanwhile, is EBADF."""
+    first, second = fresh(0), fresh(1)
+    old = durable_file(first, "/d/f", b"first")
+    other = durable_file(second, "/d/g", b"second")  # drawn after `old`, before the crash
+    first.crash()
+    first.close(old)
+    for fd in (old, other):
+        with pytest.raises(OSError) as refused:
+            first.close(fd)
+        assert refused.value.errno == errno.EBADF
+    assert second.fstat_size(other) == len(b"second")  # untouched
+    second.close(other)
+
+
 def _history(seed: int) -> list[object]:
     fs = fresh(seed)
     fd = durable_file(fs, "/d/f", b"base")

@@ -150,7 +150,8 @@ class FaultFS:
         self.sticky_sync_errors = sticky_sync_errors
         self.root = _Dir()
         self._fds: dict[int, _Handle] = {}
-        self._first_fd = self._stale_below = next(_DESCRIPTOR_NUMBERS)
+        #: Descriptors that were open when the machine last crashed: each may still be closed once.
+        self._gone: set[int] = set()
         self._locks: dict[_File | _Dir, int] = {}
         self._countdown: int | None = None
         self.powered_off = False
@@ -232,9 +233,9 @@ class FaultFS:
             self._crash_file(path, node)
         for path, directory in dirs:
             self._crash_dir(path, directory)
+        self._gone |= self._fds.keys()
         self._fds.clear()
         self._locks.clear()
-        self._stale_below = next(_DESCRIPTOR_NUMBERS)
         self._countdown = None
         self._fault = None
         self.powered_off = False
@@ -420,8 +421,9 @@ class FaultFS:
             return
         handle = self._fds.pop(fd, None)
         if handle is None:
-            if self._first_fd <= fd < self._stale_below:
-                return  # a descriptor from before the last crash: already gone with the old kernel
+            if fd in self._gone:
+                self._gone.discard(fd)  # open before the last crash: already gone with the old kernel
+                return
             raise _error(errno.EBADF)
         if self._locks.get(handle.node) == fd:
             del self._locks[handle.node]
