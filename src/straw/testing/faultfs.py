@@ -20,7 +20,7 @@ unsynced write covered (never a byte no unsynced write touched: synced bytes
 that nothing overwrote stay intact, per A1). Directory changes made since the
 directory's last sync survive independently, each with even odds. Every open
 descriptor becomes stale: a later call on it raises ``OSError(EBADF)``,
-closing it does nothing. :meth:`FaultFS.fail_after` turns the n-th mutating
+closing it does nothing (once). :meth:`FaultFS.fail_after` turns the n-th mutating
 call into a :class:`SimulatedPowerLoss`, so a crash lands inside an operation;
 until :meth:`FaultFS.crash` every call raises it but ``close``, which has
 nothing left to close. Descriptor numbers are unique across the machines of a
