@@ -84,11 +84,11 @@ class _OpenPack:
 
 
 class BufferChanged(ValueError):
-    """A caller changed a payload buffer while it was being published (D1.2b)."""
+    """A caller changed a payload buffer while it was being published (D1.2c)."""
 
 
 def _unchanged(entries: Sequence[Entry]) -> None:
-    """D1.2b: every payload still hashes to what its index frame records, now that its bytes
+    """D1.2c: every payload still hashes to what its index frame records, now that its bytes
     were written from the caller's memory; a buffer changed meanwhile would leave an extent
     whose reads fail (CorruptData), so the write is refused instead, before its sync."""
     for e in entries:
